@@ -1,0 +1,154 @@
+"""Command line: `flashdraft generate | init-draft`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .decode import GenerationConfig, generate
+from .draft import DFlashDraft, DraftError, init_draft_config
+from .proposers import DFlashProposer
+from .sampling import SamplingConfig
+from .target import Target, TargetError, load_target
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise SystemExit(f"error: expected comma-separated integers, got {text!r}") from None
+
+
+def _prompt_ids(args, target: Target) -> list[int]:
+    if args.prompt_ids is not None:
+        return _ids(args.prompt_ids)
+    tok = target.tokenizer
+    if tok is None:
+        raise SystemExit("error: this target has no tokenizer; pass --prompt-ids instead of --prompt")
+    if args.chat:
+        if not getattr(tok, "chat_template", None):
+            raise SystemExit("error: --chat needs a tokenizer with a chat template; drop --chat")
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tok(args.prompt, add_special_tokens=True)["input_ids"]
+
+
+class _TextStream:
+    """Prints committed tokens as text, decoding the whole output so multi-byte pieces come out whole."""
+
+    def __init__(self, tokenizer, out):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], ""
+
+    def __call__(self, new: list[int]) -> None:
+        self.ids += new
+        text = self.tok.decode(self.ids, skip_special_tokens=True) if self.tok else " ".join(map(str, self.ids))
+        if text.startswith(self.shown):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+
+def cmd_generate(args) -> int:
+    dtype = DTYPES[args.dtype]
+    target = load_target(args.target, dtype)
+    proposer = None
+    if args.draft:
+        draft = DFlashDraft.from_pretrained(args.draft, dtype=dtype)
+        proposer = DFlashProposer(draft, target, proposal=args.proposal)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    stop_ids = [] if args.ignore_eos else target.stop_ids
+    cfg = GenerationConfig(args.max_new_tokens, args.block_size, sampling, stop_ids, args.seed)
+    prompt = _prompt_ids(args, target)
+    stream = None if args.json else _TextStream(target.tokenizer, sys.stdout)
+    torch.manual_seed(args.seed if args.seed is not None else 0)
+    res = generate(target, prompt, proposer, cfg, on_tokens=stream)
+    text = target.tokenizer.decode(res.tokens, skip_special_tokens=True) if target.tokenizer else None
+    if args.json:
+        print(json.dumps({
+            "prompt_ids": prompt, "token_ids": res.tokens, "text": text,
+            "acceptance_lengths": res.acceptance_lengths, "tau": res.tau, "tokens_per_s": res.tokens_per_s,
+            "prefill_s": res.prefill_s, "decode_s": res.decode_s, "draft_s": sum(res.draft_s),
+            "verify_s": sum(res.verify_s), "bookkeeping_s": res.bookkeeping_s, "stop_reason": res.stop_reason,
+        }))
+    else:
+        print(f"\n\n[{len(res.tokens)} tokens, tau {res.tau:.2f}, {res.tokens_per_s:.1f} tokens/s, "
+              f"prefill {res.prefill_s * 1e3:.0f} ms, stop: {res.stop_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_init_draft(args) -> int:
+    target = load_target(args.target, torch.float32)
+    mask = args.mask_token_id
+    if mask is None:
+        mask = getattr(target.tokenizer, "mask_token_id", None)
+        if mask is None:
+            mask = target.vocab_size - 1
+            print(f"note: the tokenizer has no mask token; using mask_token_id={mask} "
+                  "(pass --mask-token-id to choose a token that never occurs in outputs)", file=sys.stderr)
+    layer_ids = _ids(args.target_layer_ids) if args.target_layer_ids else None
+    cfg = init_draft_config(target.model.config, args.layers, mask, args.block_size, layer_ids)
+    if not 0 <= mask < target.vocab_size:  # the config only knows the declared vocab_size
+        raise DraftError(f"mask_token_id {mask} is outside the target vocabulary of {target.vocab_size}")
+    torch.manual_seed(args.seed)
+    draft = DFlashDraft(cfg)
+    draft.check_target(target)
+    draft.save_pretrained(args.out, dtype=DTYPES[args.dtype])
+    print(f"wrote {args.out}: {args.layers} layers, block {cfg.block_size}, target layers {cfg.target_layer_ids}, "
+          f"mask {mask}, {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashdraft", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text, speculatively when a draft is given")
+    g.add_argument("--target", required=True, help="local HF model directory")
+    g.add_argument("--draft", help="DFlash draft directory (omit for plain decoding)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt in the target's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--block-size", type=int, default=None, help="default: the draft's; 1 = plain decoding")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--proposal", choices=["draft", "greedy"], default="draft",
+                   help="with sampling: sample drafts from the draft's distribution, or draft its argmax")
+    g.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("init-draft", help="write a randomly initialised draft shaped for a target")
+    i.add_argument("--target", required=True)
+    i.add_argument("--layers", type=int, default=5)
+    i.add_argument("--block-size", type=int, default=16)
+    i.add_argument("--target-layer-ids", help="comma-separated 0-based target layers (default: spread formula)")
+    i.add_argument("--mask-token-id", type=int, default=None)
+    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    i.add_argument("--out", required=True)
+    i.set_defaults(func=cmd_init_draft)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (DraftError, TargetError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

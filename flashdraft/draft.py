@@ -1,0 +1,509 @@
+"""The DFlash draft model: a few Qwen3-style layers that draft a whole block in one pass.
+
+The draft owns no embedding and no LM head: it reads token embeddings and writes hidden states
+that the *target's* frozen embedding and LM head turn into logits (see `DFlashProposer`). Target
+context enters every layer only as extra keys/values ("KV injection"), so the context never runs
+through the draft's MLPs: drafting costs a handful of block tokens, whatever the context length.
+
+The checkpoint format is the one of the published drafts, vLLM and SGLang (`config.json` with
+`architectures: ["DFlashDraftModel"]`, `dflash_config`, and bare `layers.*` / `fc` / `norm` weights),
+so module names below are load-bearing: they are the safetensors keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+class DraftError(ValueError):
+    """A draft checkpoint or config that cannot be used as given (the message says how to fix it)."""
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Spread `num_features` taps from shallow to deep, skipping the first and the last 3 layers."""
+    if num_features < 1:
+        raise DraftError(f"need at least one target layer to read features from, got {num_features}")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    return [int(round(1 + i * (num_target_layers - 4) / (num_features - 1))) for i in range(num_features)]
+
+
+@dataclass
+class DraftConfig:
+    """Everything that defines a draft; `to_json`/`from_json` speak the published config.json dialect."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    # Optional extras some published drafts carry in dflash_config (kept when present).
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        self.validate()
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise DraftError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise DraftError("target_layer_ids is empty: list at least one target layer")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise DraftError(
+                f"target_layer_ids {bad} are outside the target's layers 0..{self.num_target_layers - 1}: "
+                f"pick ids below num_target_layers={self.num_target_layers}"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise DraftError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1}): "
+                "pick an id that is a real row of the target's embedding table"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DraftError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise DraftError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise DraftError(f"unknown layer_types {sorted(unknown)}: use full_attention or sliding_attention")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise DraftError("layer_types has sliding_attention layers but sliding_window is not set")
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def to_json(self) -> dict:
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        dflash.update(self.extra)
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": dflash,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict) -> DraftConfig:
+        archs = raw.get("architectures") or ["DFlashDraftModel"]
+        if archs != ["DFlashDraftModel"]:
+            raise DraftError(f"architectures is {archs}; flashdraft loads DFlashDraftModel drafts only")
+        if raw.get("attention_bias"):
+            raise DraftError("attention_bias is true; DFlash drafts have bias-free projections")
+        dflash = dict(raw.get("dflash_config") or {})
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in raw]
+        if missing:
+            raise DraftError(f"config.json lacks {missing}")
+        heads = raw["num_attention_heads"]
+        num_target_layers = raw.get("num_target_layers")
+        layer_ids = dflash.pop("target_layer_ids", raw.get("target_layer_ids"))
+        if layer_ids is None:
+            if num_target_layers is None:
+                raise DraftError("config.json has neither dflash_config.target_layer_ids nor num_target_layers")
+            layer_ids = default_target_layer_ids(num_target_layers, raw["num_hidden_layers"])
+        if num_target_layers is None:
+            num_target_layers = max(layer_ids) + 1
+        mask = dflash.pop("mask_token_id", raw.get("mask_token_id"))
+        if mask is None:
+            raise DraftError("config.json lacks dflash_config.mask_token_id: set the id of the target's mask token")
+        block_size = dflash.pop("block_size", raw.get("block_size", 16))
+        rope = raw.get("rope_parameters") or {}
+        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        rope_scaling = raw.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        return cls(
+            hidden_size=raw["hidden_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            intermediate_size=raw["intermediate_size"],
+            vocab_size=raw["vocab_size"],
+            num_target_layers=num_target_layers,
+            mask_token_id=int(mask),
+            target_layer_ids=[int(i) for i in layer_ids],
+            block_size=int(block_size),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 40960),
+            layer_types=raw.get("layer_types"),
+            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+            extra=dflash,
+        )
+
+    def replace(self, **changes) -> DraftConfig:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return DraftConfig(**values)
+
+    def to_hf(self):
+        """A transformers Qwen3Config with the same fields (only used to build the rotary embedding)."""
+        from transformers import Qwen3Config
+
+        kw = {k: v for k, v in self.to_json().items() if k not in ("architectures", "dflash_config")}
+        return Qwen3Config(**kw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, T, D); cos/sin: (B, T, D)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class KVCache:
+    """Per-layer context keys/values of the draft, preallocated and grown by doubling.
+
+    Only target *context* is ever committed (`length`). Each draft call writes its block's K/V just
+    past the committed length and attends over that view, so "cropping the block away" costs nothing.
+    """
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write [new context ; block] K/V after the committed length; return keys/values to attend over."""
+        end = self.length + k.shape[2]
+        buf_k = self.k[layer]
+        if buf_k is None or buf_k.shape[2] < end or buf_k.dtype != k.dtype:
+            cap = max(end, 2 * (0 if buf_k is None else buf_k.shape[2]), 64)
+            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            new_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+            if buf_k is not None and self.length:
+                new_k[:, :, : self.length] = buf_k[:, :, : self.length]
+                new_v[:, :, : self.length] = self.v[layer][:, :, : self.length]
+            self.k[layer], self.v[layer] = new_k, new_v
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # Sliding-window layers of later published drafts are causal inside the window.
+        self.window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding_attention" else None
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n, self.head_dim)
+
+    def forward(self, x, ctx, rope_x, rope_ctx, cache: KVCache | None, mask: torch.Tensor | None):
+        bsz, q_len, _ = x.shape
+        c_len = ctx.shape[1]
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)).transpose(1, 2), *rope_x)
+        # One projection over [context ; block] (the same k_proj/v_proj/k_norm serve both parts).
+        kv_in = torch.cat([ctx, x], dim=1) if c_len else x
+        k = self.k_norm(self._heads(self.k_proj(kv_in), self.n_kv)).transpose(1, 2)
+        v = self._heads(self.v_proj(kv_in), self.n_kv).transpose(1, 2)
+        cos = torch.cat([rope_ctx[0], rope_x[0]], dim=1) if c_len else rope_x[0]
+        sin = torch.cat([rope_ctx[1], rope_x[1]], dim=1) if c_len else rope_x[1]
+        k = apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.extend(self.layer_idx, k, v)
+        if self.window is not None and mask is None:
+            qi = torch.arange(q_len, device=x.device)[:, None] + (k.shape[2] - q_len)
+            ki = torch.arange(k.shape[2], device=x.device)[None, :]
+            mask = ((ki <= qi) & (qi - ki < self.window))[None, None]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=self.n_kv != self.n_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_x, rope_ctx, cache, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_x, rope_ctx, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(config.num_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        self.rotary = Qwen3RotaryEmbedding(config.to_hf())
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.layers))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_features: torch.Tensor | None = None,
+        ctx_positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states (after the final norm) for the block tokens.
+
+        block_embeds: (B, Q, H) target embeddings of [anchor, MASK, ...]; ctx_features: (B, C, n*H)
+        concatenated raw target features of new context tokens (added to `cache` when given);
+        positions are absolute. `mask` (bool, broadcastable to (B, 1, Q, keys)) is for training,
+        where blocks must not see each other; inference attends everywhere.
+        """
+        if ctx_features is not None and ctx_features.shape[1]:
+            ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
+            rope_ctx = self.rotary(ctx, ctx_positions)
+        else:
+            ctx = block_embeds[:, :0]
+            rope_ctx = None
+        rope_x = self.rotary(block_embeds, block_positions)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, ctx, rope_x, rope_ctx, cache, mask)
+        if cache is not None:
+            cache.length += ctx.shape[1]
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        logits = lm_head(hidden) * float(self.config.extra.get("output_multiplier", 1.0))
+        cap = self.config.extra.get("final_logit_softcapping")
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # -- checkpoint format ------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """Write config.json + model.safetensors atomically (temp files, then rename)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.to(dtype) if dtype else v).detach().contiguous() for k, v in self.state_dict().items()}
+        cfg = self.config.to_json()
+        cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
+        _atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(cfg, indent=2) + "\n"))
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> DFlashDraft:
+        directory = Path(directory)
+        cfg_path = directory / CONFIG_NAME
+        if not cfg_path.is_file():
+            raise DraftError(f"{cfg_path} not found: a draft directory needs config.json and model.safetensors")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise DraftError(f"{cfg_path} is not valid JSON ({e}): restore or re-save the draft") from e
+        config = DraftConfig.from_json(raw)
+        state = _load_weights(directory)
+        model = cls(config)
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(state))
+        extra = sorted(set(state) - set(expected))
+        if missing or extra:
+            raise DraftError(
+                f"weights in {directory} do not match config.json: missing {missing[:8]}"
+                f"{'...' if len(missing) > 8 else ''}, unexpected {extra[:8]}{'...' if len(extra) > 8 else ''}. "
+                "Check num_hidden_layers / target_layer_ids against the checkpoint, or re-save it."
+            )
+        wrong = [f"{k}: file {tuple(state[k].shape)} vs config {tuple(v.shape)}"
+                 for k, v in expected.items() if state[k].shape != v.shape]
+        if wrong:
+            raise DraftError(f"weights in {directory} have shapes that config.json does not imply: {wrong[:6]}")
+        if dtype is None:
+            dtype = next(iter(state.values())).dtype
+        model.load_state_dict(state)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def check_target(self, target) -> None:
+        """Raise DraftError when this draft cannot run with `target` (a `flashdraft.target.Target`)."""
+        c = self.config
+        problems = []
+        if c.hidden_size != target.hidden_size:
+            problems.append(f"hidden_size: draft {c.hidden_size} vs target {target.hidden_size}")
+        if (c.num_attention_heads, c.num_key_value_heads, c.head_dim) != target.head_layout:
+            problems.append(
+                "head layout (heads, kv heads, head_dim): draft "
+                f"{(c.num_attention_heads, c.num_key_value_heads, c.head_dim)} vs target {target.head_layout}"
+            )
+        if c.num_target_layers != target.num_layers:
+            problems.append(f"num_target_layers: draft {c.num_target_layers} vs target {target.num_layers}")
+        if any(i >= target.num_layers for i in c.target_layer_ids):
+            problems.append(f"target_layer_ids {c.target_layer_ids} reach past the target's {target.num_layers} layers")
+        if not 0 <= c.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {c.mask_token_id} is outside the target vocabulary of {target.vocab_size}")
+        if problems:
+            raise DraftError(
+                "draft and target do not match: " + "; ".join(problems)
+                + ". Use a draft made for this target (`flashdraft init-draft --target ...` or train one)."
+            )
+
+
+def _load_weights(directory: Path) -> dict[str, torch.Tensor]:
+    files = [directory / WEIGHTS_NAME]
+    index = directory / "model.safetensors.index.json"
+    if not files[0].is_file() and index.is_file():
+        files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+    state = {}
+    for f in files:
+        if not f.is_file():
+            raise DraftError(f"{f} not found: the draft's weights are missing")
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise DraftError(f"{f} is corrupt or truncated ({e}): re-download or re-save the draft") from e
+    return state
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def init_draft_config(target_config, num_layers: int, mask_token_id: int, block_size: int = 16,
+                      target_layer_ids: list[int] | None = None, num_features: int | None = None) -> DraftConfig:
+    """A draft config shaped like `target_config` (a transformers config)."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    n_layers = tc.num_hidden_layers
+    heads = tc.num_attention_heads
+    rope = getattr(tc, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and "full_attention" in rope:  # per-layer-type rope (Gemma3)
+        rope = rope["full_attention"]
+    rope_theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+    rope_scaling = None if rope.get("rope_type", "default") == "default" else {
+        k: v for k, v in rope.items() if k != "rope_theta"}
+    ids = target_layer_ids or default_target_layer_ids(n_layers, num_features or num_layers)
+    return DraftConfig(
+        hidden_size=tc.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        intermediate_size=tc.intermediate_size,
+        vocab_size=tc.vocab_size,
+        num_target_layers=n_layers,
+        mask_token_id=mask_token_id,
+        target_layer_ids=list(ids),
+        block_size=block_size,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=tc.max_position_embeddings,
+    )
+
+

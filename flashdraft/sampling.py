@@ -1,0 +1,96 @@
+"""Sampling settings, the token distribution they define, and lossless verification of a drafted block.
+
+Every emitted token is either the target's argmax (temperature 0) or a sample from exactly the
+distribution plain sampling would use (`probs`): speculative rejection sampling accepts a drafted
+token x with probability min(1, p(x)/q(x)) and otherwise samples the normalised residual
+max(0, p - q). A proposer that drafts greedily passes q=None, a one-hot at its token; the same
+rule then reduces to "accept x with probability p(x)", i.e. accept iff the target's own sample is x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The distribution plain sampling draws from: temperature, then top-k, then top-p (HF's order).
+
+    Computed in float32 at least (float64 stays float64), so that p and q ratios are not bf16-rounded.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    scores = logits.to(dtype) / cfg.temperature
+    vocab = scores.shape[-1]
+    if 0 < cfg.top_k < vocab:
+        kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    if cfg.top_p < 1:
+        sorted_p, order = p.sort(dim=-1, descending=True)
+        # Keep a token while the mass strictly above it is below top_p (always keeps the first).
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= cfg.top_p
+        p = p.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of p (..., V) -> (...)."""
+    flat = p.reshape(-1, p.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
+
+
+def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None):
+    """Plain decoding's choice from logits (..., V)."""
+    return logits.argmax(-1) if cfg.greedy else sample(probs(logits, cfg), generator)
+
+
+def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """draft (1, k), logits (1, k+1, V) of [anchor, draft]. Returns (accepted count a, bonus token)."""
+    choice = logits.argmax(-1)
+    a = int((draft == choice[:, : draft.shape[1]]).cumprod(-1).sum())
+    return a, choice[0, a]
+
+
+def verify_sampling(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                    generator: torch.Generator | None = None) -> tuple[int, torch.Tensor]:
+    """Speculative rejection sampling for one row.
+
+    draft (1, k); p (1, k+1, V) target probabilities at [anchor, draft] positions; q (1, k, V) the
+    proposer's probabilities for its drafted tokens, or None for a one-hot (greedy) proposal.
+    """
+    k = draft.shape[1]
+    p_x = p[:, :k].gather(-1, draft[..., None])[..., 0]
+    q_x = torch.ones_like(p_x) if q is None else q.gather(-1, draft[..., None])[..., 0]
+    u = torch.rand(p_x.shape, generator=generator, dtype=p_x.dtype)
+    a = int((u * q_x < p_x).cumprod(-1).sum())
+    if a == k:
+        return a, sample(p[0, k], generator)
+    if q is None:
+        residual = p[0, a].scatter(0, draft[0, a : a + 1], 0.0)
+    else:
+        residual = (p[0, a] - q[0, a]).clamp_min(0)
+    total = residual.sum()
+    if total <= 0:  # only reachable through rounding when p == q
+        return a, sample(p[0, a], generator)
+    return a, sample(residual / total, generator)

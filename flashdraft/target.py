@@ -1,0 +1,144 @@
+"""The target model: any Hugging Face causal LM, seen through the few operations DFlash needs.
+
+Prefill and verify are the same call (a forward over new tokens on a KV cache). Features of the
+selected layers are caught with forward hooks on just those layers, so a long prefill never keeps
+every layer's hidden states alive the way `output_hidden_states=True` does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class TargetError(ValueError):
+    pass
+
+
+class Target:
+    def __init__(self, model: nn.Module, tokenizer=None):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = cfg
+        self.num_layers: int = cfg.num_hidden_layers
+        self.hidden_size: int = cfg.hidden_size
+        heads = cfg.num_attention_heads
+        self.head_layout = (heads, getattr(cfg, "num_key_value_heads", None) or heads,
+                            getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        self.embedding: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self.vocab_size: int = self.embedding.weight.shape[0]
+        self.max_length: int = cfg.max_position_embeddings
+        decoder = model.get_decoder()
+        self._layers = decoder.layers
+        self._final_norm = decoder.norm
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._hooks: list = []
+        self._layer_ids: list[int] = []
+        self._captured: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
+        """Load a local transformers checkpoint directory (no hub access, no remote code)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{path} is not a model directory (no config.json): pass a local HF checkpoint")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, TypeError):
+            tokenizer = None
+        return cls(model, tokenizer)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.weight.device
+
+    @property
+    def stop_ids(self) -> list[int]:
+        ids = []
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            ids += [src] if isinstance(src, int) else list(src or [])
+        return sorted(set(ids))
+
+    # -- features --------------------------------------------------------------------------
+
+    def select_layers(self, layer_ids: list[int]) -> None:
+        """Capture the outputs of these decoder layers (0-based) on every forward with features=True."""
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise TargetError(f"target layer ids {bad} are outside the target's layers 0..{self.num_layers - 1}")
+        if list(layer_ids) == self._layer_ids:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._layer_ids = [], list(layer_ids)
+        for i in sorted(set(layer_ids)):
+            # HF's hidden_states[num_layers] is the final-normed output; match it for the last layer.
+            module = self._final_norm if i == self.num_layers - 1 else self._layers[i]
+            self._hooks.append(module.register_forward_hook(self._catcher(i)))
+
+    def _catcher(self, i: int):
+        def hook(_module, _inputs, output):
+            if self._capturing:
+                self._captured[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    _capturing = False
+
+    # -- forward and cache -----------------------------------------------------------------
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        cache.activate_past_recording()  # sliding-window layers keep what a crop may need
+        return cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, logits_to_keep: int = 0,
+                features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T or logits_to_keep, V) and, if asked, the concatenated selected-layer features
+        (B, T, n*H) of the new tokens."""
+        self._capturing = features
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True,
+                             logits_to_keep=logits_to_keep, **{self._cache_kw: cache})
+            feats = torch.cat([self._captured[i] for i in self._layer_ids], dim=-1) if features else None
+        finally:
+            self._capturing = False
+            self._captured = {}
+        return out.logits, feats
+
+    @staticmethod
+    def crop(cache, length: int) -> None:
+        """Keep the first `length` positions (transformers 5 crops by a negative count to remove)."""
+        cache.crop(-(cache.get_seq_length() - length))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Raw embedding rows, without any model-specific scaling (what published drafts expect)."""
+        return F.embedding(ids, self.embedding.weight)
+
+
+def load_target(spec: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Target:
+    """A target from a local HF checkpoint directory (named built-in targets: see `flashdraft.models`)."""
+    path = Path(spec)
+    if path.is_dir():
+        return Target.from_pretrained(path, dtype=dtype, device=device)
+    raise TargetError(f"target {str(spec)!r} is not a local model directory: pass a directory with config.json")
