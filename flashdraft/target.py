@@ -137,8 +137,19 @@ class Target:
 
 
 def load_target(spec: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Target:
-    """A target from a local HF checkpoint directory (named built-in targets: see `flashdraft.models`)."""
-    path = Path(spec)
+    """A target from a built-in name (`flashdraft models`), a local `.gguf` file or a local HF checkpoint
+    directory. Built-in names and GGUF files are converted once and cached (see `flashdraft.models`)."""
+    from . import models
+
+    text = str(spec)
+    if text in models.MODELS:
+        return models.load_hf_model(text, dtype, device)
+    path = Path(spec).expanduser()
+    if text.lower().endswith(".gguf"):
+        return models.load_gguf(path, dtype, device)
     if path.is_dir():
         return Target.from_pretrained(path, dtype=dtype, device=device)
-    raise TargetError(f"target {str(spec)!r} is not a local model directory: pass a directory with config.json")
+    raise TargetError(
+        f"target {text!r} is not a built-in name ({', '.join(models.known_names())}), a .gguf file or a local "
+        "model directory with config.json"
+    )

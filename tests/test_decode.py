@@ -1,0 +1,147 @@
+"""Greedy losslessness of the decode loop against transformers' own greedy `generate`, in float64."""
+
+import random
+
+import pytest
+import torch
+from conftest import ARCHS, make_draft, make_hf_model
+
+from flashdraft import DFlashProposer, GenerationConfig, NgramProposer, Proposer, SamplingConfig, Target, generate
+
+N_PROMPTS = 50
+NEW = 16
+BLOCKS = (1, 2, 4, 16)
+
+
+class OracleProposer(Proposer):
+    """Proposes the target's true greedy continuation, corrupted at random places, so that full,
+    partial and zero acceptance all occur; also counts what it sees."""
+
+    def __init__(self, prompt_len: int, truth: list[int], vocab: int, rng: random.Random):
+        self.prompt_len, self.truth, self.vocab, self.rng = prompt_len, truth, vocab, rng
+
+    def propose(self, tokens, k, sampling, generator=None):
+        done = tokens.shape[1] - self.prompt_len  # generated tokens so far, anchor included
+        guess = self.truth[done : done + k]
+        guess += [self.rng.randrange(self.vocab) for _ in range(k - len(guess))]
+        mode = self.rng.random()
+        if mode < 0.3:
+            pass  # fully correct
+        elif mode < 0.8:
+            i = self.rng.randrange(k)
+            guess[i] = (guess[i] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+        else:
+            guess[0] = (guess[0] + 1) % self.vocab
+        return torch.tensor([guess]), None
+
+
+def hf_greedy(model, prompt: list[int], new: int, eos: int | None) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                         eos_token_id=eos, pad_token_id=0 if eos is None else eos)
+    seq = out[0, len(prompt):].tolist()
+    if eos is not None and eos in seq:  # generate pads after EOS; keep up to and including it
+        seq = seq[: seq.index(eos) + 1]
+    return seq
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+def test_greedy_equals_transformers_generate(arch_name):
+    model = make_hf_model(arch_name)
+    target = Target(model)
+    vocab = model.config.vocab_size
+    draft = DFlashProposer(make_draft(model), target)
+    rng = random.Random(1234)
+    stats = {"full": 0, "partial": 0, "zero": 0, "stop_inside_block": 0}
+    for n in range(N_PROMPTS):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        truth = hf_greedy(model, prompt, NEW + 16, None)
+        # Half the prompts stop on a token that occurs mid-continuation, so stops land inside blocks.
+        eos = truth[rng.randint(1, NEW - 2)] if n % 2 else None
+        expected = hf_greedy(model, prompt, NEW, eos)
+        for block in BLOCKS:
+            cfg = GenerationConfig(max_new_tokens=NEW, block_size=block, stop_ids=[] if eos is None else [eos])
+            oracle = OracleProposer(len(prompt), truth, vocab, rng)
+            # Block size 1 is plain decoding whatever the proposer: run it once.
+            for proposer in (draft, oracle) if block > 1 else (oracle,):
+                streamed = []
+                res = generate(target, prompt, proposer, cfg, on_tokens=streamed.extend)
+                assert res.tokens == expected, (arch_name, n, block, type(proposer).__name__)
+                assert streamed == res.tokens
+                assert sum(res.acceptance_lengths) == len(res.tokens) - 1
+                assert all(1 <= a <= block for a in res.acceptance_lengths)
+                if proposer is oracle and block > 1:
+                    for a in res.acceptance_lengths[:-1]:
+                        stats["full" if a == block else "partial" if a > 1 else "zero"] += 1
+                    if res.stop_reason == "stop" and res.acceptance_lengths and res.acceptance_lengths[-1] > 1:
+                        stats["stop_inside_block"] += 1
+    assert min(stats.values()) > 0, stats
+
+
+@pytest.mark.parametrize("arch_name", ["qwen2", "mistral"])
+def test_more_architectures_lossless(arch_name):
+    model = make_hf_model(arch_name, layers=4)
+    target = Target(model)
+    proposer = DFlashProposer(make_draft(model), target)
+    rng = random.Random(7)
+    for _ in range(5):
+        prompt = [rng.randrange(128) for _ in range(rng.randint(1, 10))]
+        expected = hf_greedy(model, prompt, NEW, None)
+        for block in (1, 4, 16):
+            assert generate(target, prompt, proposer, GenerationConfig(NEW, block)).tokens == expected
+
+
+def test_ngram_proposer_is_lossless_and_accepts_on_repetition(tiny_llama):
+    rng = random.Random(3)
+    accepted = 0
+    for _ in range(10):
+        prompt = [rng.randrange(128) for _ in range(rng.randint(2, 10))] * 3
+        plain = generate(tiny_llama, prompt, None, GenerationConfig(40)).tokens
+        res = generate(tiny_llama, prompt, NgramProposer(), GenerationConfig(40, block_size=8))
+        assert res.tokens == plain
+        accepted += sum(a - 1 for a in res.acceptance_lengths)
+    assert accepted > 0
+
+
+def test_max_new_tokens_and_stats(tiny_llama):
+    draft = DFlashProposer(make_draft(tiny_llama.model), tiny_llama)
+    for new in (1, 2, 5, 17):
+        res = generate(tiny_llama, [5, 6, 7], draft, GenerationConfig(new, 16))
+        assert len(res.tokens) == new and res.stop_reason == "length"
+        assert len(res.draft_s) == len(res.verify_s) == len(res.step_s) == len(res.acceptance_lengths)
+        assert res.prefill_s > 0 and res.decode_s >= sum(res.step_s) - 1e-9
+
+
+def test_stop_on_first_token(tiny_llama):
+    first = generate(tiny_llama, [9, 9, 9], None, GenerationConfig(1)).tokens[0]
+    res = generate(tiny_llama, [9, 9, 9], None, GenerationConfig(10, stop_ids=[first]))
+    assert res.tokens == [first] and res.stop_reason == "stop" and res.acceptance_lengths == []
+
+
+@pytest.mark.parametrize(
+    "prompt, cfg, match",
+    [
+        ([], GenerationConfig(4), "prompt is empty"),
+        ([1, 2], GenerationConfig(0), "max_new_tokens"),
+        ([1, 2], GenerationConfig(4, block_size=0), "block_size"),
+        ([1] * 200, GenerationConfig(100), "exceeds the target's context of 256"),
+        ([1, 999], GenerationConfig(4), "token ids must lie in 0..127"),
+    ],
+)
+def test_bad_generation_input(tiny_llama, prompt, cfg, match):
+    with pytest.raises(ValueError, match=match):
+        generate(tiny_llama, prompt, None, cfg)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=1.0, top_p=0.0), "top_p"),
+        (dict(temperature=1.0, top_p=1.5), "top_p"),
+        (dict(temperature=1.0, top_k=-1), "top_k"),
+    ],
+)
+def test_bad_sampling_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
