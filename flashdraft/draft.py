@@ -469,6 +469,9 @@ def _atomic_write(path: Path, write) -> None:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; a checkpoint is meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

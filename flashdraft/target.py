@@ -55,10 +55,9 @@ class Target:
         if not (path / "config.json").is_file():
             raise TargetError(f"{path} is not a model directory (no config.json): pass a local HF checkpoint")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
-        try:
+        tokenizer = None
+        if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError, TypeError):
-            tokenizer = None
         return cls(model, tokenizer)
 
     @property

@@ -1,0 +1,77 @@
+"""Interop with the authors' reference implementation (PyPI `dflash==0.1.0`, installed --no-deps).
+
+Our checkpoints load in their code, and their loop with our draft reproduces our greedy output and
+our drafted blocks: the two implementations agree on the architecture, the feature taps (including
+the last layer, whose HF hidden state is final-normed) and the checkpoint format.
+"""
+
+import random
+
+import dflash.model as dflash_model  # `make test` installs it: pip install --no-deps dflash==0.1.0
+import pytest
+import torch
+from conftest import make_draft, make_hf_model
+
+from flashdraft import DFlashProposer, GenerationConfig, SamplingConfig, Target, generate
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def pair(request, tmp_path_factory):
+    model = make_hf_model(request.param, layers=6)
+    ours = make_draft(model, layers=2, block_size=8)
+    path = tmp_path_factory.mktemp("draft")
+    ours.save_pretrained(path)
+    theirs = dflash_model.DFlashDraftModel.from_pretrained(str(path), dtype=torch.float64).eval()
+    return model, ours, theirs
+
+
+def test_reference_loads_our_checkpoint(pair):
+    _, ours, theirs = pair
+    assert theirs.target_layer_ids == ours.config.target_layer_ids
+    assert theirs.block_size == ours.config.block_size and theirs.mask_token_id == ours.config.mask_token_id
+    ref_state = theirs.state_dict()
+    for k, v in ours.state_dict().items():
+        assert torch.equal(ref_state[k], v), k
+
+
+def test_reference_loop_reproduces_our_greedy_output(pair):
+    model, ours, theirs = pair
+    target = Target(model)
+    proposer = DFlashProposer(ours, target)
+    rng = random.Random(0)
+    for _ in range(8):
+        prompt = [rng.randrange(128) for _ in range(rng.randint(1, 10))]
+        stop = rng.randrange(128)
+        mine = generate(target, prompt, proposer, GenerationConfig(24, stop_ids=[stop]))
+        ref = dflash_model.dflash_generate(theirs, model, torch.tensor([prompt]), 24, [stop], block_size=8)
+        assert ref[0, len(prompt):].tolist() == mine.tokens
+
+
+def test_reference_drafts_the_same_block(pair):
+    model, ours, theirs = pair
+    target = Target(model)
+    proposer = DFlashProposer(ours, target)
+    prompt = torch.tensor([[7, 3, 99, 12, 45, 8, 60, 2, 31]])
+    with torch.no_grad():
+        out = model(prompt, output_hidden_states=True)
+    ref_feats = dflash_model.extract_context_feature(out.hidden_states, theirs.target_layer_ids)
+    cache = target.new_cache()
+    _, our_feats = target.forward(prompt, torch.arange(9)[None], cache, features=True)
+    torch.testing.assert_close(our_feats, ref_feats, rtol=1e-12, atol=1e-12)
+
+    anchor = int(out.logits[0, -1].argmax())
+    block = torch.tensor([[anchor] + [ours.config.mask_token_id] * 7])
+    with torch.no_grad():
+        hidden = theirs(target_hidden=ref_feats, noise_embedding=model.get_input_embeddings().weight[block],
+                        position_ids=torch.arange(17)[None], use_cache=False)
+        ref_logits = theirs.compute_logits(hidden[:, 1:], model.lm_head)
+
+    proposer.start(our_feats)
+    tokens = torch.cat([prompt, torch.tensor([[anchor]])], 1)
+    with torch.no_grad():
+        our_block, _ = proposer.propose(tokens, 7, SamplingConfig())
+        our_hidden = ours(target.embed(block), torch.arange(9, 17)[None], our_feats, torch.arange(9)[None])
+        our_logits = ours.logits(our_hidden[:, 1:], model.lm_head)
+    assert our_block.tolist() == ref_logits.argmax(-1).tolist()
+    # Their RMSNorm computes in float32 even for float64 inputs, hence the float32-level tolerance.
+    torch.testing.assert_close(our_logits, ref_logits, rtol=1e-5, atol=1e-5)
