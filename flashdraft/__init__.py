@@ -11,7 +11,17 @@ from .sampling import SamplingConfig  # noqa: E402
 from .target import Target, TargetError  # noqa: E402
 
 __all__ = [
-    "DFlashDraft", "DFlashProposer", "DraftConfig", "DraftError", "GenerationConfig", "GenerationResult",
-    "NgramProposer", "Proposer", "SamplingConfig", "Target", "TargetError", "generate",
+    "DFlashDraft",
+    "DFlashProposer",
+    "DraftConfig",
+    "DraftError",
+    "GenerationConfig",
+    "GenerationResult",
+    "NgramProposer",
+    "Proposer",
+    "SamplingConfig",
+    "Target",
+    "TargetError",
+    "generate",
 ]
 __version__ = "0.1.0"

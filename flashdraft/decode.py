@@ -101,7 +101,9 @@ def generate(
 
     t_start = time.perf_counter()
     cache = target.new_cache()
-    logits, feats = target.forward(prompt, positions[:, :n_prompt], cache, logits_to_keep=1, features=features)
+    logits, feats = target.forward(
+        prompt, positions[:, :n_prompt], cache, logits_to_keep=1, features=features
+    )
     tokens[0, n_prompt] = next_token(logits[:, -1], sampling, gen)[0]
     if speculative:
         proposer.start(feats)
@@ -121,7 +123,11 @@ def generate(
             draft, q = proposer.propose(tokens[:, : anchor + 1], min(block_size - 1, room), sampling, gen)
         k = draft.shape[1]
         t1 = time.perf_counter()
-        block = tokens[:, anchor : anchor + 1] if k == 0 else torch.cat([tokens[:, anchor : anchor + 1], draft], 1)
+        block = (
+            tokens[:, anchor : anchor + 1]
+            if k == 0
+            else torch.cat([tokens[:, anchor : anchor + 1], draft], 1)
+        )
         logits, feats = target.forward(block, positions[:, anchor : anchor + k + 1], cache, features=features)
         t2 = time.perf_counter()
         if sampling.greedy:

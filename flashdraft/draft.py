@@ -97,7 +97,9 @@ class DraftConfig:
             )
         unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
         if unknown:
-            raise DraftError(f"unknown layer_types {sorted(unknown)}: use full_attention or sliding_attention")
+            raise DraftError(
+                f"unknown layer_types {sorted(unknown)}: use full_attention or sliding_attention"
+            )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise DraftError("layer_types has sliding_attention layers but sliding_window is not set")
 
@@ -142,7 +144,11 @@ class DraftConfig:
         if raw.get("attention_bias"):
             raise DraftError("attention_bias is true; DFlash drafts have bias-free projections")
         dflash = dict(raw.get("dflash_config") or {})
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in raw]
+        missing = [
+            k
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            if k not in raw
+        ]
         if missing:
             raise DraftError(f"config.json lacks {missing}")
         heads = raw["num_attention_heads"]
@@ -150,13 +156,17 @@ class DraftConfig:
         layer_ids = dflash.pop("target_layer_ids", raw.get("target_layer_ids"))
         if layer_ids is None:
             if num_target_layers is None:
-                raise DraftError("config.json has neither dflash_config.target_layer_ids nor num_target_layers")
+                raise DraftError(
+                    "config.json has neither dflash_config.target_layer_ids nor num_target_layers"
+                )
             layer_ids = default_target_layer_ids(num_target_layers, raw["num_hidden_layers"])
         if num_target_layers is None:
             num_target_layers = max(layer_ids) + 1
         mask = dflash.pop("mask_token_id", raw.get("mask_token_id"))
         if mask is None:
-            raise DraftError("config.json lacks dflash_config.mask_token_id: set the id of the target's mask token")
+            raise DraftError(
+                "config.json lacks dflash_config.mask_token_id: set the id of the target's mask token"
+            )
         block_size = dflash.pop("block_size", raw.get("block_size", 16))
         rope = raw.get("rope_parameters") or {}
         rope_theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
@@ -256,7 +266,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
@@ -391,12 +405,17 @@ class DFlashDraft(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+        cls,
+        directory: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
     ) -> DFlashDraft:
         directory = Path(directory)
         cfg_path = directory / CONFIG_NAME
         if not cfg_path.is_file():
-            raise DraftError(f"{cfg_path} not found: a draft directory needs config.json and model.safetensors")
+            raise DraftError(
+                f"{cfg_path} not found: a draft directory needs config.json and model.safetensors"
+            )
         try:
             raw = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as e:
@@ -413,10 +432,15 @@ class DFlashDraft(nn.Module):
                 f"{'...' if len(missing) > 8 else ''}, unexpected {extra[:8]}{'...' if len(extra) > 8 else ''}. "
                 "Check num_hidden_layers / target_layer_ids against the checkpoint, or re-save it."
             )
-        wrong = [f"{k}: file {tuple(state[k].shape)} vs config {tuple(v.shape)}"
-                 for k, v in expected.items() if state[k].shape != v.shape]
+        wrong = [
+            f"{k}: file {tuple(state[k].shape)} vs config {tuple(v.shape)}"
+            for k, v in expected.items()
+            if state[k].shape != v.shape
+        ]
         if wrong:
-            raise DraftError(f"weights in {directory} have shapes that config.json does not imply: {wrong[:6]}")
+            raise DraftError(
+                f"weights in {directory} have shapes that config.json does not imply: {wrong[:6]}"
+            )
         if dtype is None:
             dtype = next(iter(state.values())).dtype
         model.load_state_dict(state)
@@ -436,12 +460,17 @@ class DFlashDraft(nn.Module):
         if c.num_target_layers != target.num_layers:
             problems.append(f"num_target_layers: draft {c.num_target_layers} vs target {target.num_layers}")
         if any(i >= target.num_layers for i in c.target_layer_ids):
-            problems.append(f"target_layer_ids {c.target_layer_ids} reach past the target's {target.num_layers} layers")
+            problems.append(
+                f"target_layer_ids {c.target_layer_ids} reach past the target's {target.num_layers} layers"
+            )
         if not 0 <= c.mask_token_id < target.vocab_size:
-            problems.append(f"mask_token_id {c.mask_token_id} is outside the target vocabulary of {target.vocab_size}")
+            problems.append(
+                f"mask_token_id {c.mask_token_id} is outside the target vocabulary of {target.vocab_size}"
+            )
         if problems:
             raise DraftError(
-                "draft and target do not match: " + "; ".join(problems)
+                "draft and target do not match: "
+                + "; ".join(problems)
                 + ". Use a draft made for this target (`flashdraft init-draft --target ...` or train one)."
             )
 
@@ -478,8 +507,14 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def init_draft_config(target_config, num_layers: int, mask_token_id: int, block_size: int = 16,
-                      target_layer_ids: list[int] | None = None, num_features: int | None = None) -> DraftConfig:
+def init_draft_config(
+    target_config,
+    num_layers: int,
+    mask_token_id: int,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    num_features: int | None = None,
+) -> DraftConfig:
     """A draft config shaped like `target_config` (a transformers config)."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     n_layers = tc.num_hidden_layers
@@ -488,8 +523,11 @@ def init_draft_config(target_config, num_layers: int, mask_token_id: int, block_
     if isinstance(rope, dict) and "full_attention" in rope:  # per-layer-type rope (Gemma3)
         rope = rope["full_attention"]
     rope_theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
-    rope_scaling = None if rope.get("rope_type", "default") == "default" else {
-        k: v for k, v in rope.items() if k != "rope_theta"}
+    rope_scaling = (
+        None
+        if rope.get("rope_type", "default") == "default"
+        else {k: v for k, v in rope.items() if k != "rope_theta"}
+    )
     ids = target_layer_ids or default_target_layer_ids(n_layers, num_features or num_layers)
     return DraftConfig(
         hidden_size=tc.hidden_size,
@@ -508,5 +546,3 @@ def init_draft_config(target_config, num_layers: int, mask_token_id: int, block_
         rope_scaling=rope_scaling,
         max_position_embeddings=tc.max_position_embeddings,
     )
-
-

@@ -25,8 +25,9 @@ class Proposer:
     def start(self, features: torch.Tensor | None) -> None:
         pass
 
-    def propose(self, tokens: torch.Tensor, k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self, tokens: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
     def accept(self, features: torch.Tensor | None) -> None:
@@ -67,7 +68,9 @@ class DFlashProposer(Proposer):
         ctx = self.pending
         c_len = 0 if ctx is None else ctx.shape[1]
         if self.cache.length + c_len != anchor:
-            raise RuntimeError(f"draft context covers {self.cache.length + c_len} positions, anchor is at {anchor}")
+            raise RuntimeError(
+                f"draft context covers {self.cache.length + c_len} positions, anchor is at {anchor}"
+            )
         block = torch.full((tokens.shape[0], k + 1), self.mask_id, dtype=tokens.dtype, device=tokens.device)
         block[:, 0] = tokens[:, -1]
         embeds = self.target.embed(block).to(self.draft.fc.weight.dtype)

@@ -72,8 +72,9 @@ def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch
     return a, choice[0, a]
 
 
-def verify_sampling(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
-                    generator: torch.Generator | None = None) -> tuple[int, torch.Tensor]:
+def verify_sampling(
+    draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None = None
+) -> tuple[int, torch.Tensor]:
     """Speculative rejection sampling for one row.
 
     draft (1, k); p (1, k+1, V) target probabilities at [anchor, draft] positions; q (1, k, V) the

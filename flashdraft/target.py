@@ -31,8 +31,11 @@ class Target:
         self.num_layers: int = cfg.num_hidden_layers
         self.hidden_size: int = cfg.hidden_size
         heads = cfg.num_attention_heads
-        self.head_layout = (heads, getattr(cfg, "num_key_value_heads", None) or heads,
-                            getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        self.head_layout = (
+            heads,
+            getattr(cfg, "num_key_value_heads", None) or heads,
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        )
         self.embedding: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.vocab_size: int = self.embedding.weight.shape[0]
@@ -47,7 +50,9 @@ class Target:
         self._captured: dict[int, torch.Tensor] = {}
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
+    ):
         """Load a local transformers checkpoint directory (no hub access, no remote code)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,7 +87,9 @@ class Target:
         """Capture the outputs of these decoder layers (0-based) on every forward with features=True."""
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
-            raise TargetError(f"target layer ids {bad} are outside the target's layers 0..{self.num_layers - 1}")
+            raise TargetError(
+                f"target layer ids {bad} are outside the target's layers 0..{self.num_layers - 1}"
+            )
         if list(layer_ids) == self._layer_ids:
             return
         for h in self._hooks:
@@ -111,14 +118,25 @@ class Target:
         cache.activate_past_recording()  # sliding-window layers keep what a crop may need
         return cache
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, logits_to_keep: int = 0,
-                features: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        logits_to_keep: int = 0,
+        features: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T or logits_to_keep, V) and, if asked, the concatenated selected-layer features
         (B, T, n*H) of the new tokens."""
         self._capturing = features
         try:
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True,
-                             logits_to_keep=logits_to_keep, **{self._cache_kw: cache})
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{self._cache_kw: cache},
+            )
             feats = torch.cat([self._captured[i] for i in self._layer_ids], dim=-1) if features else None
         finally:
             self._capturing = False

@@ -14,16 +14,27 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 ARCHS = ("llama", "qwen3", "gemma3")
 
 
-def make_hf_model(arch: str, vocab: int = 128, layers: int = 4, seed: int = 0, dtype=torch.float64,
-                  max_pos: int = 256):
+def make_hf_model(
+    arch: str, vocab: int = 128, layers: int = 4, seed: int = 0, dtype=torch.float64, max_pos: int = 256
+):
     """A tiny randomly initialised HF causal LM. Gemma3 gets a short sliding window (6) so that
     cache cropping across the window is exercised; Qwen3 has untied embeddings, the others tied."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_pos,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_pos,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if arch == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True))
     elif arch == "qwen3":
@@ -33,9 +44,13 @@ def make_hf_model(arch: str, vocab: int = 128, layers: int = 4, seed: int = 0, d
     elif arch == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))
     elif arch == "gemma3":
-        cfg = tf.Gemma3TextConfig(**common, sliding_window=6, sliding_window_pattern=2,
-                                  layer_types=["sliding_attention", "full_attention"] * (layers // 2),
-                                  query_pre_attn_scalar=16)
+        cfg = tf.Gemma3TextConfig(
+            **common,
+            sliding_window=6,
+            sliding_window_pattern=2,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            query_pre_attn_scalar=16,
+        )
         model = tf.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(arch)
@@ -47,8 +62,15 @@ def make_hf_model(arch: str, vocab: int = 128, layers: int = 4, seed: int = 0, d
     return model.to(dtype).eval()
 
 
-def make_draft(target_model, layers: int = 2, block_size: int = 16, seed: int = 1, mask_token_id: int = 3,
-               dtype=torch.float64, target_layer_ids=None) -> DFlashDraft:
+def make_draft(
+    target_model,
+    layers: int = 2,
+    block_size: int = 16,
+    seed: int = 1,
+    mask_token_id: int = 3,
+    dtype=torch.float64,
+    target_layer_ids=None,
+) -> DFlashDraft:
     """A random draft; by default it reads target layers 1 and the last one (whose HF hidden state is
     the final-normed output, a case the feature hooks must get right)."""
     torch.manual_seed(seed)

@@ -15,8 +15,9 @@ from flashdraft.cli import main
 
 def run(*args, ok=True):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True, env=env, timeout=300
+    )
     if ok:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -26,8 +27,21 @@ def run(*args, ok=True):
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     make_hf_model("qwen3", layers=6).save_pretrained(root / "target")
-    run("init-draft", "--target", str(root / "target"), "--layers", "2", "--block-size", "8", "--mask-token-id", "5",
-        "--dtype", "float64", "--out", str(root / "draft"))
+    run(
+        "init-draft",
+        "--target",
+        str(root / "target"),
+        "--layers",
+        "2",
+        "--block-size",
+        "8",
+        "--mask-token-id",
+        "5",
+        "--dtype",
+        "float64",
+        "--out",
+        str(root / "draft"),
+    )
     return root / "target", root / "draft"
 
 
@@ -47,8 +61,18 @@ def _umask():
 
 def test_generate_json_speculative_equals_plain(dirs):
     target, draft = dirs
-    common = ["generate", "--target", str(target), "--prompt-ids", "3,17,42,9", "--max-new-tokens", "20",
-              "--dtype", "float64", "--json"]
+    common = [
+        "generate",
+        "--target",
+        str(target),
+        "--prompt-ids",
+        "3,17,42,9",
+        "--max-new-tokens",
+        "20",
+        "--dtype",
+        "float64",
+        "--json",
+    ]
     plain = json.loads(run(*common, "--block-size", "1").stdout)
     spec = json.loads(run(*common, "--draft", str(draft)).stdout)
     assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 20
@@ -59,8 +83,26 @@ def test_generate_json_speculative_equals_plain(dirs):
 
 def test_generate_sampling_is_seeded(dirs, capsys):
     target, draft = dirs
-    args = ["generate", "--target", str(target), "--draft", str(draft), "--prompt-ids", "3,17", "--json",
-            "--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "4"]
+    args = [
+        "generate",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--prompt-ids",
+        "3,17",
+        "--json",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "4",
+    ]
     outs = []
     for _ in range(2):
         assert main(args) == 0

@@ -6,7 +6,15 @@ import pytest
 import torch
 from conftest import ARCHS, make_draft, make_hf_model
 
-from flashdraft import DFlashProposer, GenerationConfig, NgramProposer, Proposer, SamplingConfig, Target, generate
+from flashdraft import (
+    DFlashProposer,
+    GenerationConfig,
+    NgramProposer,
+    Proposer,
+    SamplingConfig,
+    Target,
+    generate,
+)
 
 N_PROMPTS = 50
 NEW = 16
@@ -37,9 +45,15 @@ class OracleProposer(Proposer):
 
 def hf_greedy(model, prompt: list[int], new: int, eos: int | None) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                         eos_token_id=eos, pad_token_id=0 if eos is None else eos)
-    seq = out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0 if eos is None else eos,
+    )
+    seq = out[0, len(prompt) :].tolist()
     if eos is not None and eos in seq:  # generate pads after EOS; keep up to and including it
         seq = seq[: seq.index(eos) + 1]
     return seq
@@ -60,7 +74,9 @@ def test_greedy_equals_transformers_generate(arch_name):
         eos = truth[rng.randint(1, NEW - 2)] if n % 2 else None
         expected = hf_greedy(model, prompt, NEW, eos)
         for block in BLOCKS:
-            cfg = GenerationConfig(max_new_tokens=NEW, block_size=block, stop_ids=[] if eos is None else [eos])
+            cfg = GenerationConfig(
+                max_new_tokens=NEW, block_size=block, stop_ids=[] if eos is None else [eos]
+            )
             oracle = OracleProposer(len(prompt), truth, vocab, rng)
             # Block size 1 is plain decoding whatever the proposer: run it once.
             for proposer in (draft, oracle) if block > 1 else (oracle,):
@@ -73,7 +89,11 @@ def test_greedy_equals_transformers_generate(arch_name):
                 if proposer is oracle and block > 1:
                     for a in res.acceptance_lengths[:-1]:
                         stats["full" if a == block else "partial" if a > 1 else "zero"] += 1
-                    if res.stop_reason == "stop" and res.acceptance_lengths and res.acceptance_lengths[-1] > 1:
+                    if (
+                        res.stop_reason == "stop"
+                        and res.acceptance_lengths
+                        and res.acceptance_lengths[-1] > 1
+                    ):
                         stats["stop_inside_block"] += 1
     assert min(stats.values()) > 0, stats
 

@@ -7,49 +7,89 @@ import torch
 from conftest import make_draft, make_hf_model
 from safetensors.torch import load_file, save_file
 
-from flashdraft import DFlashDraft, DFlashProposer, DraftConfig, DraftError, GenerationConfig, Target, generate
+from flashdraft import (
+    DFlashDraft,
+    DFlashProposer,
+    DraftConfig,
+    DraftError,
+    GenerationConfig,
+    Target,
+    generate,
+)
 from flashdraft.draft import default_target_layer_ids
 
 
 @pytest.mark.parametrize(
     "layers, n, expected",
-    [(36, 5, [1, 9, 17, 25, 33]), (32, 5, [1, 8, 15, 22, 29]), (30, 5, [1, 8, 14, 20, 27]), (30, 1, [15]),
-     (28, 3, [1, 13, 25])],
+    [
+        (36, 5, [1, 9, 17, 25, 33]),
+        (32, 5, [1, 8, 15, 22, 29]),
+        (30, 5, [1, 8, 14, 20, 27]),
+        (30, 1, [15]),
+        (28, 3, [1, 13, 25]),
+    ],
 )
 def test_default_target_layer_ids(layers, n, expected):
     assert default_target_layer_ids(layers, n) == expected
 
 
-def published_dir(tmp_path, target_model, layers=2, hidden=None, extra_config=None, drop=(), add=None, reshape=None):
+def published_dir(
+    tmp_path, target_model, layers=2, hidden=None, extra_config=None, drop=(), add=None, reshape=None
+):
     """A draft directory written with nothing but json + safetensors, the way published drafts look."""
     tc = target_model.config
     h = hidden or tc.hidden_size
     heads, kv, hd = tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim
     n_feat = 2
     config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": 8,
         "num_target_layers": tc.num_hidden_layers,
         "dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, tc.num_hidden_layers - 2]},
-        "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
-        "head_dim": hd, "intermediate_size": 80, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
-        "max_position_embeddings": 256, "attention_bias": False, "layer_types": ["full_attention"] * layers,
-        "sliding_window": None, "vocab_size": tc.vocab_size, "tie_word_embeddings": False, "hidden_act": "silu",
+        "hidden_size": h,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "intermediate_size": 80,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 256,
+        "attention_bias": False,
+        "layer_types": ["full_attention"] * layers,
+        "sliding_window": None,
+        "vocab_size": tc.vocab_size,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
     }
     config.update(extra_config or {})
     g = torch.Generator().manual_seed(0)
     shapes = {"fc.weight": (h, n_feat * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
     for i in range(layers):
         a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-        shapes.update({
-            f"{a}.q_proj.weight": (heads * hd, h), f"{a}.k_proj.weight": (kv * hd, h),
-            f"{a}.v_proj.weight": (kv * hd, h), f"{a}.o_proj.weight": (h, heads * hd),
-            f"{a}.q_norm.weight": (hd,), f"{a}.k_norm.weight": (hd,),
-            f"{m}.gate_proj.weight": (80, h), f"{m}.up_proj.weight": (80, h), f"{m}.down_proj.weight": (h, 80),
-            f"layers.{i}.input_layernorm.weight": (h,), f"layers.{i}.post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                f"{a}.q_proj.weight": (heads * hd, h),
+                f"{a}.k_proj.weight": (kv * hd, h),
+                f"{a}.v_proj.weight": (kv * hd, h),
+                f"{a}.o_proj.weight": (h, heads * hd),
+                f"{a}.q_norm.weight": (hd,),
+                f"{a}.k_norm.weight": (hd,),
+                f"{m}.gate_proj.weight": (80, h),
+                f"{m}.up_proj.weight": (80, h),
+                f"{m}.down_proj.weight": (h, 80),
+                f"layers.{i}.input_layernorm.weight": (h,),
+                f"layers.{i}.post_attention_layernorm.weight": (h,),
+            }
+        )
     shapes.update(reshape or {})
-    tensors = {k: (torch.randn(s, generator=g) * 0.1 + (1 if "norm" in k else 0)).to(torch.bfloat16)
-               for k, s in shapes.items() if k not in drop}
+    tensors = {
+        k: (torch.randn(s, generator=g) * 0.1 + (1 if "norm" in k else 0)).to(torch.bfloat16)
+        for k, s in shapes.items()
+        if k not in drop
+    }
     tensors.update(add or {})
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -75,10 +115,18 @@ def test_published_layout_loads_and_drafts(tmp_path, llama):
 
 
 def test_nested_block_size_and_sliding_layers_load(tmp_path, llama):
-    d = DFlashDraft.from_pretrained(published_dir(
-        tmp_path, llama, extra_config={
-            "block_size": None, "dflash_config": {"mask_token_id": 7, "target_layer_ids": [0, 2], "block_size": 10},
-            "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}))
+    d = DFlashDraft.from_pretrained(
+        published_dir(
+            tmp_path,
+            llama,
+            extra_config={
+                "block_size": None,
+                "dflash_config": {"mask_token_id": 7, "target_layer_ids": [0, 2], "block_size": 10},
+                "layer_types": ["sliding_attention", "full_attention"],
+                "sliding_window": 4,
+            },
+        )
+    )
     assert d.config.block_size == 10 and d.config.mask_token_id == 7
     assert d.layers[0].self_attn.window == 4 and d.layers[1].self_attn.window is None
 
@@ -101,9 +149,20 @@ def test_save_load_round_trip_is_bit_identical(tmp_path, llama):
 
 
 def test_config_json_round_trip():
-    cfg = DraftConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, intermediate_size=96, vocab_size=100, num_target_layers=12, mask_token_id=99,
-                      target_layer_ids=[1, 5, 9], block_size=8, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cfg = DraftConfig(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=100,
+        num_target_layers=12,
+        mask_token_id=99,
+        target_layer_ids=[1, 5, 9],
+        block_size=8,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
     assert DraftConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
 
 
@@ -132,7 +191,9 @@ def test_context_reaches_the_block_only_as_keys_and_values(llama):
     block = torch.randn(1, 4, 64, generator=g, dtype=torch.float64)
     pos = torch.arange(9)[None]
     out = d(block, pos[:, 5:], feats, pos[:, :5])
-    assert not torch.allclose(out, d(block, pos[:, 5:], feats.flip(1), pos[:, :5]))  # (scaling would not: hidden_norm)
+    assert not torch.allclose(
+        out, d(block, pos[:, 5:], feats.flip(1), pos[:, :5])
+    )  # (scaling would not: hidden_norm)
     changed_last = block.clone()
     changed_last[:, -1] += 1
     assert not torch.allclose(out[:, 0], d(changed_last, pos[:, 5:], feats, pos[:, :5])[:, 0])
@@ -148,31 +209,58 @@ def test_hidden_size_mismatch(tmp_path, llama):
 
 
 def test_head_layout_mismatch(tmp_path, llama):
-    d = DFlashDraft.from_pretrained(published_dir(
-        tmp_path, llama, extra_config={"num_key_value_heads": 4},
-        reshape={f"layers.{i}.self_attn.{p}_proj.weight": (64, 64) for i in range(2) for p in "kv"}))
+    d = DFlashDraft.from_pretrained(
+        published_dir(
+            tmp_path,
+            llama,
+            extra_config={"num_key_value_heads": 4},
+            reshape={f"layers.{i}.self_attn.{p}_proj.weight": (64, 64) for i in range(2) for p in "kv"},
+        )
+    )
     with pytest.raises(DraftError, match=r"head layout .* draft \(4, 4, 16\) vs target \(4, 2, 16\)"):
         DFlashProposer(d, Target(llama))
 
 
 def test_target_layer_id_outside_target(tmp_path, llama):
     with pytest.raises(DraftError, match="outside the target's layers 0..3"):
-        DFlashDraft.from_pretrained(published_dir(
-            tmp_path, llama, extra_config={"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 4]}}))
+        DFlashDraft.from_pretrained(
+            published_dir(
+                tmp_path,
+                llama,
+                extra_config={"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 4]}},
+            )
+        )
     # A draft made for a deeper target: its config is valid, but not for this target.
-    deep = published_dir(tmp_path / "deep", llama, extra_config={
-        "num_target_layers": 8, "dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 6]}})
+    deep = published_dir(
+        tmp_path / "deep",
+        llama,
+        extra_config={
+            "num_target_layers": 8,
+            "dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 6]},
+        },
+    )
     with pytest.raises(DraftError, match="reach past the target's 4 layers"):
         DFlashProposer(DFlashDraft.from_pretrained(deep), Target(llama))
 
 
 def test_mask_token_outside_vocabulary(tmp_path, llama):
     with pytest.raises(DraftError, match="mask_token_id 500 is outside the vocabulary"):
-        DFlashDraft.from_pretrained(published_dir(
-            tmp_path, llama, extra_config={"dflash_config": {"mask_token_id": 500, "target_layer_ids": [1, 2]}}))
+        DFlashDraft.from_pretrained(
+            published_dir(
+                tmp_path,
+                llama,
+                extra_config={"dflash_config": {"mask_token_id": 500, "target_layer_ids": [1, 2]}},
+            )
+        )
     # Declared vocabulary larger than the target's embedding table.
-    big = published_dir(tmp_path / "big", llama, extra_config={
-        "vocab_size": 1000, "dflash_config": {"mask_token_id": 500, "target_layer_ids": [1, 2]}})
+    big = published_dir(
+        tmp_path / "big",
+        llama,
+        extra_config={
+            "vocab_size": 1000,
+            "dflash_config": {"mask_token_id": 500, "target_layer_ids": [1, 2]},
+        },
+    )
     with pytest.raises(DraftError, match="mask_token_id 500 is outside the target vocabulary of 128"):
         DFlashProposer(DFlashDraft.from_pretrained(big), Target(llama))
 
@@ -184,7 +272,9 @@ def test_missing_weights(tmp_path, llama):
 
 def test_extra_weights(tmp_path, llama):
     with pytest.raises(DraftError, match=r"unexpected \['embed_tokens.weight'\]"):
-        DFlashDraft.from_pretrained(published_dir(tmp_path, llama, add={"embed_tokens.weight": torch.zeros(128, 64)}))
+        DFlashDraft.from_pretrained(
+            published_dir(tmp_path, llama, add={"embed_tokens.weight": torch.zeros(128, 64)})
+        )
 
 
 def test_wrongly_shaped_weights(tmp_path, llama):

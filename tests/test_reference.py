@@ -44,7 +44,7 @@ def test_reference_loop_reproduces_our_greedy_output(pair):
         stop = rng.randrange(128)
         mine = generate(target, prompt, proposer, GenerationConfig(24, stop_ids=[stop]))
         ref = dflash_model.dflash_generate(theirs, model, torch.tensor([prompt]), 24, [stop], block_size=8)
-        assert ref[0, len(prompt):].tolist() == mine.tokens
+        assert ref[0, len(prompt) :].tolist() == mine.tokens
 
 
 def test_reference_drafts_the_same_block(pair):
@@ -62,8 +62,12 @@ def test_reference_drafts_the_same_block(pair):
     anchor = int(out.logits[0, -1].argmax())
     block = torch.tensor([[anchor] + [ours.config.mask_token_id] * 7])
     with torch.no_grad():
-        hidden = theirs(target_hidden=ref_feats, noise_embedding=model.get_input_embeddings().weight[block],
-                        position_ids=torch.arange(17)[None], use_cache=False)
+        hidden = theirs(
+            target_hidden=ref_feats,
+            noise_embedding=model.get_input_embeddings().weight[block],
+            position_ids=torch.arange(17)[None],
+            use_cache=False,
+        )
         ref_logits = theirs.compute_logits(hidden[:, 1:], model.lm_head)
 
     proposer.start(our_feats)
