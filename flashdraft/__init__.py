@@ -8,7 +8,7 @@ from .decode import GenerationConfig, GenerationResult, generate  # noqa: E402
 from .draft import DFlashDraft, DraftConfig, DraftError  # noqa: E402
 from .proposers import DFlashProposer, NgramProposer, Proposer  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
-from .target import Target, TargetError  # noqa: E402
+from .target import Target, TargetError, load_target  # noqa: E402
 
 __all__ = [
     "DFlashDraft",
@@ -22,6 +22,7 @@ __all__ = [
     "SamplingConfig",
     "Target",
     "TargetError",
+    "load_target",
     "generate",
 ]
 __version__ = "0.1.0"

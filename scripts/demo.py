@@ -1,34 +1,66 @@
-"""`make demo`: plain vs DFlash decoding on a small random Llama target with a random draft.
+"""`make demo`: plain decoding vs DFlash on the built-in SmolLM2-135M-Instruct target.
 
-Placeholder until the built-in SmolLM2 target and the shipped draft land (issues 3 and 5): it shows
-the whole loop running and that speculative output equals plain output, not a speedup.
+Uses the shipped draft under checkpoints/ when there is one; otherwise it makes a random draft
+(which accepts almost nothing: the point is then the loop, and that output equals plain decoding).
 """
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import sys
+from pathlib import Path
 
-from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, Target, generate
+import torch
+
+from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, generate, load_target
 from flashdraft.draft import init_draft_config
 
-torch.manual_seed(0)
-cfg = LlamaConfig(
-    vocab_size=1000,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=2048,
-)
-target = Target(LlamaForCausalLM(cfg).to(torch.bfloat16))
-draft = DFlashDraft(init_draft_config(cfg, 2, mask_token_id=999)).to(torch.bfloat16)
-prompt = torch.randint(0, 1000, (32,)).tolist()
-run = GenerationConfig(max_new_tokens=64)
-plain = generate(target, prompt, None, run)
-spec = generate(target, prompt, DFlashProposer(draft, target), run)
-print(f"plain: {len(plain.tokens)} tokens, {plain.tokens_per_s:.0f} tokens/s")
-print(
-    f"dflash (random draft): {len(spec.tokens)} tokens, tau {spec.tau:.2f}, {spec.tokens_per_s:.0f} tokens/s"
-)
-print("identical output:", plain.tokens == spec.tokens)
+TARGET = "smollm2-135m-instruct"
+SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dflash"
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "A shop sells pens at 3 dollars each. Tom buys 7 pens and pays with a 50 dollar bill. How much change?",
+]
+
+
+def main():
+    torch.manual_seed(0)
+    print(f"loading {TARGET} (converted from its GGUF on first use) ...", flush=True)
+    target = load_target(TARGET, torch.bfloat16)
+    if (SHIPPED / "config.json").is_file():
+        draft, which = (
+            DFlashDraft.from_pretrained(SHIPPED, dtype=torch.bfloat16),
+            f"shipped draft {SHIPPED.name}",
+        )
+    else:
+        cfg = init_draft_config(target.model.config, 2, mask_token_id=16, block_size=16)
+        draft, which = (
+            DFlashDraft(cfg).to(torch.bfloat16),
+            "RANDOM draft (no shipped draft yet: expect tau ~1)",
+        )
+    proposer = DFlashProposer(draft, target)
+    print(f"draft: {which}\n")
+    tok = target.tokenizer
+    totals = {"plain": [0, 0.0], "dflash": [0, 0.0]}
+    for text in PROMPTS:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        run = GenerationConfig(max_new_tokens=96, stop_ids=target.stop_ids)
+        plain = generate(target, ids, None, run)
+        spec = generate(target, ids, proposer, run)
+        for name, r in (("plain", plain), ("dflash", spec)):
+            totals[name][0] += len(r.tokens)
+            totals[name][1] += r.decode_s
+        print(f"> {text}\n{tok.decode(spec.tokens, skip_special_tokens=True).strip()}")
+        print(
+            f"[plain {plain.tokens_per_s:.1f} tok/s | dflash {spec.tokens_per_s:.1f} tok/s, tau {spec.tau:.2f} | "
+            f"same tokens as plain: {spec.tokens == plain.tokens}]\n"
+        )
+    (n_p, t_p), (n_d, t_d) = totals["plain"], totals["dflash"]
+    print(
+        f"overall: plain {n_p / t_p:.1f} tok/s, dflash {n_d / t_d:.1f} tok/s, speedup {(n_d / t_d) / (n_p / t_p):.2f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
