@@ -51,9 +51,17 @@ def main():
             totals[name][0] += len(r.tokens)
             totals[name][1] += r.decode_s
         print(f"> {text}\n{tok.decode(spec.tokens, skip_special_tokens=True).strip()}")
+        diff = next(
+            (i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens, strict=False)) if a != b), None
+        )
+        agree = (
+            "same tokens as plain"
+            if diff is None and len(plain.tokens) == len(spec.tokens)
+            else (f"bf16 rounding: first differs from plain at token {diff} (README, 'Lossless')")
+        )
         print(
             f"[plain {plain.tokens_per_s:.1f} tok/s | dflash {spec.tokens_per_s:.1f} tok/s, tau {spec.tau:.2f} | "
-            f"same tokens as plain: {spec.tokens == plain.tokens}]\n"
+            f"{agree}]\n"
         )
     (n_p, t_p), (n_d, t_d) = totals["plain"], totals["dflash"]
     print(
