@@ -86,7 +86,9 @@ def generate(
     block_size = cfg.block_size if cfg.block_size is not None else (proposer.block_size if proposer else 1)
     _check_prompt(prompt, target, cfg, block_size)
     speculative = proposer is not None and block_size > 1
-    features = speculative and proposer.needs_features
+    features = speculative and proposer.feature_layers is not None
+    if features:
+        target.select_layers(proposer.feature_layers)
     gen = None
     if cfg.seed is not None:
         gen = torch.Generator(device=target.device).manual_seed(cfg.seed)

@@ -3,7 +3,7 @@
 The interface is three calls, so the same lossless verifier serves the DFlash draft, n-gram lookup
 and test oracles alike:
 
-- `start(features)`: after the prefill, with the target features of the prompt (if `needs_features`);
+- `start(features)`: after the prefill, with the target features of the prompt (of `feature_layers`);
 - `propose(tokens, k, sampling, generator)`: up to k tokens to follow `tokens` (whose last entry is
   the anchor), plus their proposal probabilities q (or None: a one-hot, i.e. greedy, proposal);
 - `accept(features)`: after verification, with the target features of the newly committed tokens.
@@ -19,7 +19,7 @@ from .target import Target
 
 
 class Proposer:
-    needs_features = False
+    feature_layers: list[int] | None = None  # target layers whose features `start`/`accept` receive
     block_size = 16
 
     def start(self, features: torch.Tensor | None) -> None:
@@ -42,13 +42,11 @@ class DFlashProposer(Proposer):
     Both are exact; they differ in how much they accept (see README, "Sampling").
     """
 
-    needs_features = True
-
     def __init__(self, draft: DFlashDraft, target: Target, proposal: str = "draft"):
         if proposal not in ("draft", "greedy"):
             raise ValueError(f"proposal must be 'draft' or 'greedy', got {proposal!r}")
         draft.check_target(target)
-        target.select_layers(draft.config.target_layer_ids)
+        self.feature_layers = list(draft.config.target_layer_ids)
         self.draft, self.target, self.proposal = draft, target, proposal
         self.block_size = draft.config.block_size
         self.mask_id = draft.config.mask_token_id

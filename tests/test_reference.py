@@ -55,6 +55,7 @@ def test_reference_drafts_the_same_block(pair):
     with torch.no_grad():
         out = model(prompt, output_hidden_states=True)
     ref_feats = dflash_model.extract_context_feature(out.hidden_states, theirs.target_layer_ids)
+    target.select_layers(ours.config.target_layer_ids)
     cache = target.new_cache()
     _, our_feats = target.forward(prompt, torch.arange(9)[None], cache, features=True)
     torch.testing.assert_close(our_feats, ref_feats, rtol=1e-12, atol=1e-12)
