@@ -340,7 +340,10 @@ def ensure_converted(name: str, root: str | os.PathLike | None = None) -> Path:
 
 
 def load_hf_model(
-    name: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", root: str | os.PathLike | None = None
+    name: str,
+    dtype: torch.dtype | str | None = "auto",
+    device: str = "cpu",
+    root: str | os.PathLike | None = None,
 ) -> Target:
     """Built-in target `name` (see `known_names()`), from the converted cache (converted on first use)."""
     path = ensure_converted(name, root)
@@ -367,7 +370,7 @@ def load_hf_model(
 
 def load_gguf(
     path: str | os.PathLike,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str | None = "auto",
     device: str = "cpu",
     root: str | os.PathLike | None = None,
 ) -> Target:

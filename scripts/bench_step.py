@@ -22,6 +22,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -35,16 +36,15 @@ def main():
         max_position_embeddings=4096,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    dtype = getattr(torch, args.dtype)
+    model = LlamaForCausalLM(cfg).to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
     target = Target(model)
-    draft = DFlashDraft(init_draft_config(cfg, 2, mask_token_id=0, block_size=args.block_size)).to(
-        torch.bfloat16
-    )
+    draft = DFlashDraft(init_draft_config(cfg, 2, mask_token_id=0, block_size=args.block_size)).to(dtype)
     proposer = DFlashProposer(draft, target)
     prompt = torch.randint(0, 32000, (args.prompt,)).tolist()
     print(
-        f"target: {n_params / 1e6:.0f}M parameters, bf16, {torch.get_num_threads()} threads; "
+        f"target: {n_params / 1e6:.0f}M parameters, {args.dtype}, {torch.get_num_threads()} threads; "
         f"draft: 2 layers; block {args.block_size}; prompt {args.prompt}; {args.new} new tokens"
     )
     for name, sampling in [

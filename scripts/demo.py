@@ -24,16 +24,16 @@ PROMPTS = [
 def main():
     torch.manual_seed(0)
     print(f"loading {TARGET} (converted from its GGUF on first use) ...", flush=True)
-    target = load_target(TARGET, torch.bfloat16)
+    target = load_target(TARGET)  # bf16 where the CPU has it, else float32
     if (SHIPPED / "config.json").is_file():
         draft, which = (
-            DFlashDraft.from_pretrained(SHIPPED, dtype=torch.bfloat16),
+            DFlashDraft.from_pretrained(SHIPPED, dtype=target.dtype),
             f"shipped draft {SHIPPED.name}",
         )
     else:
         cfg = init_draft_config(target.model.config, 2, mask_token_id=16, block_size=16)
         draft, which = (
-            DFlashDraft(cfg).to(torch.bfloat16),
+            DFlashDraft(cfg).to(target.dtype),
             "RANDOM draft (no shipped draft yet: expect tau ~1)",
         )
     proposer = DFlashProposer(draft, target)

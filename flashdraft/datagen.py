@@ -1,0 +1,709 @@
+"""Training data for a draft: prompts answered again by the target itself (`flashdraft datagen`).
+
+A draft must learn the distribution of the target it will serve, not that of whoever wrote the
+original answers, so every response is regenerated: the prompt (first user turn) goes through the
+target's chat template and the target answers it, either here (batched HF `generate` on CPU) or
+through any OpenAI-compatible server (`--endpoint`, how one regenerates with vLLM / SGLang).
+
+The output is JSON lines, one conversation per line, appended as soon as it is done:
+
+    {"id", "dataset", "prompt_ids", "response_ids", "loss_mask", "finish": "stop" | "length"}
+
+`loss_mask` covers prompt + response (0 on the prompt, 1 on the response); a response that ended
+on a stop token keeps it, so the draft learns to stop. Each line is written with a single write,
+flushed and fsynced, so a crash leaves at most a partial last line; a rerun drops that line, skips
+the ids already done and continues. A `FILE.meta.json` next to the file records the target,
+tokenizer and settings, and a rerun with other ones is refused instead of mixing two distributions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("flashdraft")
+
+FORMAT = 1  # bump when the record layout changes
+RECORD_KEYS = ("id", "dataset", "prompt_ids", "response_ids", "loss_mask", "finish")
+FINISH = ("stop", "length")
+# Settings that change what the records contain: a file may only be continued with the same ones.
+# (flag for the error message, meta key)
+MATCHED = (
+    ("--target", "target"),
+    ("--target", "tokenizer_sha256"),
+    ("--target", "chat_template_sha256"),
+    ("--endpoint", "backend"),
+    ("--model", "model"),
+    ("--max-new-tokens", "max_new_tokens"),
+    ("--temperature", "temperature"),
+    ("--top-p", "top_p"),
+    ("--top-k", "top_k"),
+    ("--dtype", "dtype"),
+)
+
+
+class DataGenError(ValueError):
+    """Data generation cannot go on as asked (the message says how to fix it)."""
+
+
+@dataclass
+class DatagenConfig:
+    target: str
+    datasets: Sequence[str]
+    out: str | os.PathLike
+    max_new_tokens: int = 512
+    batch_size: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    limit: int | None = None
+    endpoint: str | None = None
+    model: str | None = None  # the model name sent to the endpoint (default: the target name)
+    dtype: str = "auto"
+    progress: bool = True
+    timeout_s: float = 600.0  # per endpoint request
+
+
+@dataclass
+class DatagenSummary:
+    out: Path
+    written: int = 0
+    skipped: int = 0  # already in the file
+    stop: int = 0
+    length: int = 0
+    too_long: int = 0  # prompts that leave no room for max_new_tokens in the model's context
+    duplicates: int = 0  # the same id in two of the requested data sets
+    repaired_bytes: int = 0  # partial last line dropped
+    response_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.response_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        extra = [f"{self.skipped} already done"]
+        if self.too_long:
+            extra.append(f"{self.too_long} prompts too long, skipped")
+        if self.duplicates:
+            extra.append(f"{self.duplicates} duplicate ids across data sets")
+        if self.repaired_bytes:
+            extra.append(f"dropped a partial last line of {self.repaired_bytes} bytes")
+        return (
+            f"datagen: wrote {self.written} records to {self.out} ({self.stop} stop, {self.length} length; "
+            f"{'; '.join(extra)}): {self.response_tokens} response tokens in {self.seconds:.1f} s = "
+            f"{self.tokens_per_s:.1f} tokens/s"
+        )
+
+
+@dataclass
+class _Prompt:
+    id: str
+    dataset: str
+    messages: list[dict[str, str]]
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+# -- records -------------------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def record_problem(rec: Any, vocab_size: int | None = None) -> str | None:
+    """What is wrong with one record, or None when it is well-formed."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    missing = [k for k in RECORD_KEYS if k not in rec]
+    if missing:
+        return f"missing key(s) {', '.join(missing)}"
+    if not isinstance(rec["id"], str) or not rec["id"]:
+        return "id is not a non-empty string"
+    if not isinstance(rec["dataset"], str):
+        return "dataset is not a string"
+    for key in ("prompt_ids", "response_ids", "loss_mask"):
+        if not isinstance(rec[key], list) or not all(_is_int(t) for t in rec[key]):
+            return f"{key} is not a list of integers"
+    n = len(rec["prompt_ids"]) + len(rec["response_ids"])
+    if len(rec["loss_mask"]) != n:
+        return f"loss_mask has {len(rec['loss_mask'])} entries, prompt + response have {n}"
+    if any(m not in (0, 1) for m in rec["loss_mask"]):
+        return "loss_mask holds values other than 0 and 1"
+    if rec["finish"] not in FINISH:
+        return f"finish is {rec['finish']!r}, not one of {', '.join(FINISH)}"
+    ids = rec["prompt_ids"] + rec["response_ids"]
+    if ids and min(ids) < 0:
+        return f"negative token id {min(ids)}"
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        return (
+            f"token id {max(ids)} is outside the vocabulary of {vocab_size}: this file was made with another "
+            "tokenizer; regenerate it with `flashdraft datagen --target <the target you train for>`"
+        )
+    return None
+
+
+def make_record(
+    id: str, dataset: str, prompt_ids: Sequence[int], response_ids: Sequence[int], finish: str
+) -> dict:
+    p, r = [int(t) for t in prompt_ids], [int(t) for t in response_ids]
+    return {
+        "id": id,
+        "dataset": dataset,
+        "prompt_ids": p,
+        "response_ids": r,
+        "loss_mask": [0] * len(p) + [1] * len(r),
+        "finish": finish,
+    }
+
+
+def read_records(path: str | os.PathLike, vocab_size: int | None = None) -> Iterator[dict]:
+    """The validated records of a datagen file, in file order.
+
+    Every line must be a well-formed record (keys, integer ids, mask length, ids < `vocab_size` when
+    given) with an id not seen before in the file; otherwise DataGenError names the line, the record
+    and the fix. An unterminated last line is what an interrupted datagen leaves: it is skipped with
+    a warning (rerunning datagen on the file repairs it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataGenError(f"data file {path} not found: make one with `flashdraft datagen --out {path}`")
+    seen: set[str] = set()
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
+                log.warning("flashdraft: %s ends with a partial line (an interrupted datagen); skipped", path)
+                return
+            rec = _parse_line(path, n, raw)
+            problem = record_problem(rec, vocab_size)
+            if problem is None and rec["id"] in seen:
+                problem = "a second record with this id"
+            if problem is not None:
+                rid = rec.get("id") if isinstance(rec, dict) else None
+                raise DataGenError(f"{path} line {n} (record {rid!r}): {problem}")
+            seen.add(rec["id"])
+            yield rec
+
+
+def _parse_line(path: Path, n: int, raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise DataGenError(
+            f"{path} line {n} is not JSON ({e}); only a partial LAST line can come from an interrupted run, "
+            "so the file was damaged or edited: delete that line (or the file and its .meta.json) and rerun"
+        ) from None
+
+
+def read_meta(path: str | os.PathLike) -> dict | None:
+    """The settings a datagen file was made with (`FILE.meta.json`), or None when there is none."""
+    meta = meta_path(path)
+    if not meta.is_file():
+        return None
+    try:
+        out = json.loads(meta.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise DataGenError(
+            f"{meta} is not JSON ({e}): delete it and rerun with the settings of {path}"
+        ) from None
+    if not isinstance(out, dict):
+        raise DataGenError(f"{meta} is not a JSON object: delete it and rerun with the settings of {path}")
+    return out
+
+
+def meta_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".meta.json")
+
+
+# -- the output file -----------------------------------------------------------------------------
+
+
+def scan_output(path: Path) -> tuple[set[str], int, int]:
+    """(ids already done, byte length of the complete lines, bytes of a partial last line).
+
+    Read-only: the caller truncates the partial line once it knows it may continue the file."""
+    done: set[str] = set()
+    good = 0
+    if not path.exists():
+        return done, 0, 0
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
+                return done, good, len(raw)
+            rec = _parse_line(path, n, raw)
+            problem = record_problem(rec)
+            if problem is None and rec["id"] in done:
+                problem = "a second record with this id"
+            if problem is not None:
+                raise DataGenError(
+                    f"{path} line {n}: {problem}; datagen never writes such a line, so the file was damaged "
+                    "or edited: delete that line (or the file and its .meta.json) and rerun"
+                )
+            done.add(rec["id"])
+            good += len(raw)
+    return done, good, 0
+
+
+class _Writer:
+    """Appends records; each line goes out in one write (looping only on a short write), is flushed
+    and fsynced before the next, so a crash can only leave a partial last line."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+
+    def write(self, rec: dict) -> None:
+        data = (json.dumps(rec, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _lock(path: Path):
+    """An exclusive lock on `path.lock` for the duration of the run (released by the OS on a crash)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return None
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise DataGenError(
+            f"another datagen is writing {path} right now: wait for it to finish, or choose another --out"
+        ) from None
+    return fd
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _check_meta(out: Path, old: dict, new: dict) -> None:
+    bad = [(flag, key) for flag, key in MATCHED if old.get(key) != new.get(key)]
+    if old.get("format") != new["format"]:
+        bad.insert(0, ("(flashdraft version)", "format"))
+    if new["temperature"] > 0 and old.get("seed") != new["seed"]:
+        bad.append(("--seed", "seed"))
+    if bad:
+        diffs = "; ".join(f"{key} {old.get(key)!r} (now {new.get(key)!r}, {flag})" for flag, key in bad)
+        raise DataGenError(
+            f"{out} was made with other settings: {diffs}. Rerun with the settings of {meta_path(out)} to "
+            "continue it, or write to another --out (delete both files to start over)"
+        )
+
+
+# -- prompts -------------------------------------------------------------------------------------
+
+
+def load_prompts(datasets: Sequence[str], limit: int | None, seed: int) -> tuple[list[_Prompt], int]:
+    """The first user turn of every example of the data sets, in order, and how many duplicate ids
+    (the same prompt in two of the sets, say sharegpt and sharegpt-train) were dropped."""
+    from .data import load_dataset
+
+    prompts: list[_Prompt] = []
+    seen: set[str] = set()
+    dups = 0
+    for name in datasets:
+        examples = load_dataset(name, limit=limit, seed=seed)
+        if not examples:
+            raise DataGenError(
+                f"data set {name!r} gave no examples (limit {limit}): drop it or raise --limit"
+            )
+        for ex in examples:
+            if ex.id in seen:
+                dups += 1
+                continue
+            seen.add(ex.id)
+            prompts.append(_Prompt(ex.id, name, ex.messages()))
+    return prompts, dups
+
+
+def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def _sha256_text(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the token -> id map and special tokens: the same for the same tokenizer anywhere."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+    return _sha256_text(json.dumps([vocab, special], ensure_ascii=False))
+
+
+def _target_name(spec: str) -> str:
+    from . import models
+
+    if spec in models.MODELS:
+        return spec
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
+
+
+def _stop_ids_from_dir(path: Path, tokenizer) -> list[int]:
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(path, local_files_only=True)
+        src = gen.eos_token_id
+        ids += [src] if isinstance(src, int) else list(src or [])
+    except Exception:  # no generation_config.json: the tokenizer's eos only
+        pass
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids += [eos] if isinstance(eos, int) else []
+    return sorted(set(ids))
+
+
+def _load_tokenizer_only(spec: str):
+    """(tokenizer, stop ids) for the endpoint path, without loading the weights when avoidable."""
+    from transformers import AutoTokenizer
+
+    from . import models
+    from .target import TargetError, load_target
+
+    path = None
+    if spec in models.MODELS:
+        path = models.ensure_converted(spec)
+    elif Path(spec).expanduser().is_dir():
+        path = Path(spec).expanduser()
+    if path is None:  # a .gguf (or an error message from load_target)
+        target = load_target(spec)
+        return target.tokenizer, target.stop_ids
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TargetError(
+            f"{path} has no usable tokenizer ({e}): datagen needs the target's tokenizer"
+        ) from None
+    return tok, _stop_ids_from_dir(path, tok)
+
+
+# -- generation: local ---------------------------------------------------------------------------
+
+
+def cut_response(tokens: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], str]:
+    """The response up to and including its first stop token ("stop"), or all of it ("length")."""
+    stops = set(stop_ids)
+    out = []
+    for t in tokens:
+        out.append(int(t))
+        if t in stops:
+            return out, "stop"
+    return out, "length"
+
+
+def _seed_for(seed: int, first_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}\0{first_id}".encode()).digest()[:8], "big") % 2**63
+
+
+def _generate_local(target, prompts: list[_Prompt], cfg: DatagenConfig, emit: Callable) -> None:
+    import torch
+    from transformers import GenerationConfig
+
+    model, tok = target.model, target.tokenizer
+    stop_ids = target.stop_ids
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    # Only our settings: generate() would otherwise fill unset values from the checkpoint's
+    # generation_config (repetition penalties, default top-k, ...), and the draft must learn the
+    # plain distribution it will be verified against.
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids or None, pad_token_id=pad)
+    sampling = cfg.temperature > 0
+    kw: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, do_sample=sampling, use_cache=True)
+    if sampling:
+        kw.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    # Long prompts first: a batch that does not fit in memory fails at once, not hours in.
+    order = sorted(prompts, key=lambda p: -len(p.prompt_ids))
+    for start in range(0, len(order), cfg.batch_size):
+        batch = order[start : start + cfg.batch_size]
+        width = max(len(p.prompt_ids) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):  # LEFT padding: every prompt ends where generation starts
+            ids[row, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
+            mask[row, width - len(p.prompt_ids) :] = 1
+        if sampling:
+            torch.manual_seed(_seed_for(cfg.seed, batch[0].id))
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        gen = out[:, width:].tolist()
+        for p, row in zip(batch, gen, strict=True):
+            response, finish = cut_response(row, stop_ids)
+            emit(make_record(p.id, p.dataset, p.prompt_ids, response, finish))
+
+
+# -- generation: an OpenAI-compatible server -----------------------------------------------------
+
+
+def _chat_url(endpoint: str) -> str:
+    base = endpoint.rstrip("/")
+    if base.endswith("/chat/completions"):
+        return base
+    return base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+
+
+def _post(url: str, body: dict, timeout: float, attempts: int = 3) -> dict:
+    data = json.dumps(body).encode("utf-8")
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get("OPENAI_API_KEY"):
+        headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
+    for attempt in range(attempts):
+        try:
+            req = urllib.request.Request(url, data=data, headers=headers, method="POST")
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:500].decode("utf-8", "replace")
+            if e.code in (429, 500, 502, 503, 504) and attempt + 1 < attempts:
+                time.sleep(2**attempt)
+                continue
+            raise DataGenError(
+                f"{url} answered HTTP {e.code}: {detail} (check --endpoint and that --model names a model "
+                "the server serves)"
+            ) from None
+        except (urllib.error.URLError, OSError) as e:
+            if attempt + 1 < attempts:
+                time.sleep(2**attempt)
+                continue
+            raise DataGenError(f"cannot reach {url} ({e}): is the server running? check --endpoint") from None
+        except ValueError as e:
+            raise DataGenError(
+                f"{url} did not answer JSON ({e}): is it an OpenAI-compatible server?"
+            ) from None
+    raise AssertionError("unreachable")
+
+
+def _generate_endpoint(
+    tokenizer, stop_ids: list[int], prompts: list[_Prompt], cfg: DatagenConfig, emit: Callable
+) -> None:
+    url = _chat_url(cfg.endpoint)
+    stop_token = stop_ids[0] if stop_ids else None
+    if tokenizer.eos_token_id in stop_ids:
+        stop_token = tokenizer.eos_token_id  # what the chat template closes a turn with
+
+    def ask(p: _Prompt) -> dict:
+        body: dict[str, Any] = {
+            "model": cfg.model or cfg.target,
+            "messages": p.messages,
+            "max_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+        }
+        if cfg.top_k > 0:
+            body["top_k"] = cfg.top_k  # vLLM / SGLang extension
+        if cfg.temperature > 0:
+            body["seed"] = _seed_for(cfg.seed, p.id) % 2**31
+        reply = _post(url, body, cfg.timeout_s)
+        try:
+            choice = reply["choices"][0]
+            text = choice["message"].get("content") or ""
+            reason = choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise DataGenError(
+                f"{url} answered {json.dumps(reply)[:300]}, not a chat completion: is --endpoint "
+                "an OpenAI-compatible server?"
+            ) from None
+        response = tokenizer(text, add_special_tokens=False)["input_ids"]
+        finish = "length" if reason == "length" else "stop"
+        if finish == "stop" and stop_token is not None:
+            response = list(response) + [stop_token]
+        return make_record(p.id, p.dataset, p.prompt_ids, response, finish)
+
+    workers = max(1, cfg.batch_size)
+    pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datagen")
+    pending: set[cf.Future] = set()
+    queue = iter(prompts)
+    try:
+        while True:
+            while len(pending) < 2 * workers:
+                p = next(queue, None)
+                if p is None:
+                    break
+                pending.add(pool.submit(ask, p))
+            if not pending:
+                break
+            finished, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                emit(fut.result())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
+    """Regenerate the responses of `cfg.datasets` with the target into `cfg.out` (see the module doc)."""
+    if cfg.max_new_tokens < 1:
+        raise DataGenError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.batch_size < 1:
+        raise DataGenError(f"--batch-size must be >= 1, got {cfg.batch_size}")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
+        raise DataGenError("need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
+
+    from .target import resolve_dtype
+
+    try:  # "auto" is resolved here, so the meta file records what actually ran
+        cfg.dtype = str(resolve_dtype(cfg.dtype)).removeprefix("torch.")
+    except ValueError as e:
+        raise DataGenError(f"--dtype: {e}") from None
+    datasets = [d.strip() for d in cfg.datasets if d.strip()]
+    if not datasets:
+        raise DataGenError("no data set given: pass --dataset NAME[,NAME] (see flashdraft.data.DATASETS)")
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise DataGenError(f"--out {out} is a directory: give a file name such as {out / 'data.jsonl'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = DatagenSummary(out)
+    lock = _lock(out)
+    try:
+        # Cheap checks of the existing file first, before loading any model.
+        done, good_bytes, partial = scan_output(out)
+        old_meta = read_meta(out) if done else None
+        if done and old_meta is None:
+            raise DataGenError(
+                f"{out} holds records but {meta_path(out)} is missing, so its settings are unknown: restore "
+                "that file, or write to another --out"
+            )
+        prompts, summary.duplicates = load_prompts(datasets, cfg.limit, cfg.seed)
+
+        if cfg.endpoint:
+            target = None
+            tokenizer, stop_ids = _load_tokenizer_only(cfg.target)
+        else:
+            from .target import cpu_has_fast_bf16, load_target
+
+            if cfg.dtype == "bfloat16" and not cpu_has_fast_bf16():
+                log.warning(
+                    "flashdraft: this CPU has no native bfloat16 (no avx512_bf16 / amx_bf16): bf16 matmuls are "
+                    "emulated, far slower than float32 here; pass --dtype float32 (or auto)"
+                )
+            target = load_target(cfg.target, cfg.dtype)
+            tokenizer, stop_ids = target.tokenizer, target.stop_ids
+        if tokenizer is None:
+            raise DataGenError(
+                f"target {cfg.target!r} has no tokenizer: datagen needs one for the chat template"
+            )
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise DataGenError(
+                f"the tokenizer of {cfg.target!r} has no chat template: datagen asks the model as a chat "
+                "model, so use an instruction-tuned target (or add a chat_template to its tokenizer_config)"
+            )
+        meta = {
+            "format": FORMAT,
+            "target": _target_name(cfg.target),
+            "vocab_size": len(tokenizer),
+            "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+            "chat_template_sha256": _sha256_text(
+                template if isinstance(template, str) else json.dumps(template)
+            ),
+            "stop_ids": stop_ids,
+            "datasets": list(datasets),
+            "backend": "endpoint" if cfg.endpoint else "local",
+            "endpoint": cfg.endpoint,
+            "model": (cfg.model or cfg.target) if cfg.endpoint else None,
+            "max_new_tokens": cfg.max_new_tokens,
+            "temperature": float(cfg.temperature),
+            "top_p": float(cfg.top_p),
+            "top_k": int(cfg.top_k),
+            "seed": cfg.seed,
+            "dtype": None if cfg.endpoint else cfg.dtype,
+        }
+        if old_meta is not None:
+            _check_meta(out, old_meta, meta)
+            meta["datasets"] = list(dict.fromkeys(list(old_meta.get("datasets") or []) + list(datasets)))
+        if partial:
+            with out.open("r+b") as f:
+                f.truncate(good_bytes)
+                os.fsync(f.fileno())
+            summary.repaired_bytes = partial
+            log.warning("flashdraft: dropped a partial last line (%d bytes) of %s", partial, out)
+        _write_json_atomic(meta_path(out), meta)
+
+        todo = [p for p in prompts if p.id not in done]
+        summary.skipped = len(prompts) - len(todo)
+        max_len = target.max_length if target is not None else None
+        ready = []
+        for p in todo:
+            p.prompt_ids = _chat_ids(tokenizer, p.messages)
+            if max_len is not None and len(p.prompt_ids) + cfg.max_new_tokens > max_len:
+                summary.too_long += 1
+                continue
+            ready.append(p)
+        if summary.too_long:
+            log.warning(
+                "flashdraft: %d prompts + --max-new-tokens %d exceed the target's context of %s; skipped",
+                summary.too_long,
+                cfg.max_new_tokens,
+                max_len,
+            )
+        _run(target, tokenizer, stop_ids, ready, cfg, out, summary)
+    finally:
+        if lock is not None:
+            os.close(lock)
+    return summary
+
+
+def _run(target, tokenizer, stop_ids, prompts, cfg, out: Path, summary: DatagenSummary) -> None:
+    from tqdm import tqdm
+
+    writer = _Writer(out)
+    bar = tqdm(
+        total=len(prompts),
+        unit="conv",
+        desc="datagen",
+        disable=not cfg.progress,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
+    start = time.perf_counter()
+
+    def emit(rec: dict) -> None:
+        writer.write(rec)
+        summary.written += 1
+        summary.response_tokens += len(rec["response_ids"])
+        if rec["finish"] == "stop":
+            summary.stop += 1
+        else:
+            summary.length += 1
+        summary.seconds = time.perf_counter() - start
+        bar.update(1)
+        bar.set_postfix_str(f"{summary.tokens_per_s:.1f} tok/s", refresh=False)
+
+    try:
+        if prompts:
+            if cfg.endpoint:
+                _generate_endpoint(tokenizer, stop_ids, prompts, cfg, emit)
+            else:
+                _generate_local(target, prompts, cfg, emit)
+    finally:
+        summary.seconds = time.perf_counter() - start
+        bar.close()
+        writer.close()
