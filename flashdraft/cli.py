@@ -12,9 +12,7 @@ from .decode import GenerationConfig, generate
 from .draft import DFlashDraft, DraftError, init_draft_config
 from .proposers import DFlashProposer
 from .sampling import SamplingConfig
-from .target import Target, TargetError, load_target
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+from .target import DTYPES, Target, TargetError, load_target, resolve_dtype
 
 
 def _ids(text: str) -> list[int]:
@@ -55,7 +53,7 @@ class _TextStream:
 
 
 def cmd_generate(args) -> int:
-    dtype = DTYPES[args.dtype]
+    dtype = resolve_dtype(args.dtype)
     target = load_target(args.target, dtype)
     proposer = None
     if args.draft:
@@ -122,6 +120,26 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_datagen(args) -> int:
+    from .datagen import DatagenConfig, run_datagen
+
+    cfg = DatagenConfig(
+        target=args.target, datasets=args.dataset.split(","), out=args.out, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, limit=args.limit, endpoint=args.endpoint, model=args.model, dtype=args.dtype,
+        progress=not args.no_progress,
+    )
+    print(run_datagen(cfg).line())
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .train import TrainConfig, train
+
+    train(TrainConfig.from_args(args))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashdraft", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -142,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--proposal", choices=["draft", "greedy"], default="draft",
                    help="with sampling: sample drafts from the draft's distribution, or draft its argmax")
-    g.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    g.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it, else float32")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
@@ -161,6 +179,32 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the built-in target names and whether they are installed / cached")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
+
+    d = sub.add_parser("datagen", help="regenerate training responses with the target itself (JSONL, resumable)")
+    d.add_argument("--target", required=True,
+                   help="built-in name, a .gguf file or a local HF model directory (with --endpoint: the tokenizer)")
+    d.add_argument("--dataset", required=True,
+                   help="comma-separated data set names (flashdraft.data), e.g. sharegpt-train,gsm-symbolic")
+    d.add_argument("--out", required=True, help="JSONL file; rerunning continues it (skips finished ids)")
+    d.add_argument("--max-new-tokens", type=int, default=512)
+    d.add_argument("--batch-size", type=int, default=16,
+                   help="prompts per generate call (with --endpoint: concurrent requests)")
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--top-k", type=int, default=0, help="0 = off")
+    d.add_argument("--seed", type=int, default=0, help="sampling seed; also picks the gsm-symbolic problems")
+    d.add_argument("--limit", type=int, default=None, help="at most N prompts per data set")
+    d.add_argument("--endpoint", help="URL of an OpenAI-compatible server (vLLM, SGLang, ...) to generate with")
+    d.add_argument("--model", help="model name to request from --endpoint (default: --target)")
+    d.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it, else float32")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.set_defaults(func=cmd_datagen)
+
+    from .train import add_arguments as add_train_arguments
+
+    t = sub.add_parser("train", help="train a DFlash draft on regenerated data (resumable; torchrun for many ranks)")
+    add_train_arguments(t)
+    t.set_defaults(func=cmd_train)
     return p
 
 

@@ -1,0 +1,1246 @@
+"""Train a DFlash draft for a target on target-regenerated data (DFLASH.md section 4).
+
+One optimizer step, in order:
+
+1. a global batch of whole sequences (prompt + regenerated response), packed in a shuffled order
+   up to `batch_tokens` tokens; under torchrun, rank r takes every world-th sequence of it;
+2. per sequence, up to `anchors` random anchor positions among response tokens with room for a
+   full block (p <= S - B, loss_mask[p] = 1), drawn without replacement and sorted, fresh each
+   epoch; each anchor makes a block [x[a], MASK x (B-1)] at positions a..a+B-1;
+3. the frozen target computes the selected-layer features of all S positions (no grad);
+4. one draft pass over all blocks of the sequence at once: keys are [context features of all S
+   positions ; all blocks], a block-b query sees context positions strictly before its anchor
+   a_b and the B tokens of its own block, nothing of other blocks; padding sees nothing;
+5. loss = sum(w * CE) / sum(w) over the global batch, at block index k = 1..B-1 against
+   x[a + k] (same position, no shift), w_k = exp(-(k - 1) / gamma) x response mask x in-range;
+6. AdamW, cosine schedule with warmup, gradient clipping; fp32 master weights.
+
+Everything random is derived from (seed, epoch, sequence index), so the data order and anchors
+of any step are known without replaying the run: a checkpoint stores the step, and `--resume`
+continues the same run. Checkpoints are draft directories in the published format plus
+optimizer / RNG / trainer state, each written to a temporary directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .decode import GenerationConfig, generate
+from .draft import DFlashDraft, _atomic_write, init_draft_config
+from .proposers import DFlashProposer
+from .target import Target, load_target, resolve_dtype
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+GAMMA_AUTO = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
+STATE_NAME = "trainer_state.json"
+OPTIM_NAME = "optimizer.safetensors"
+RNG_NAME = "rng.safetensors"
+STATE_FORMAT = "flashdraft-train/1"
+
+
+class TrainError(ValueError):
+    """Training cannot start or continue as asked (the message says why and what to do)."""
+
+
+@dataclass
+class TrainConfig:
+    target: str
+    data: list[str]
+    out: str
+    layers: int = 5
+    num_features: int | None = None  # target layers read; default: as many as draft layers
+    target_layer_ids: list[int] | None = None
+    block_size: int = 16
+    anchors: int = 512
+    gamma: float | None = None  # None: auto (7 / 5 / 4 for B = 16 / 10 / 8)
+    epochs: int = 6
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of the steps
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    max_len: int = 3072
+    batch_tokens: int = 16384  # sequence tokens per optimizer step (the global batch)
+    micro_batch: int = 1  # sequences per forward pass (per rank)
+    eval_data: str | None = None
+    eval_prompts: int = 8
+    eval_every: int = 0  # 0: about 10 evaluations per run
+    eval_max_new_tokens: int = 128
+    save_every: int = 0  # 0: about 10 checkpoints per run
+    keep_checkpoints: int = 2
+    seed: int = 0
+    # The frozen target's dtype. auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere (bf16 is
+    # emulated, far slower, on AVX2-only CPUs). The draft's master weights are fp32 (fp64 with float64).
+    dtype: str = "auto"
+    autocast: str = "auto"  # bf16 autocast of the draft: auto = on CUDA only
+    device: str = "auto"
+    mask_token_id: int | None = None
+    max_steps: int | None = None
+    save_dtype: str = "bfloat16"  # dtype of the final draft in OUT/draft
+    resume: bool = False
+    progress: bool = True
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+# Fields that define a run: `--resume` refuses a checkpoint made with other values. The others
+# (evaluation, checkpointing, micro-batch, device, progress bar) may change between sittings.
+RUN_FIELDS = (
+    "layers",
+    "num_features",
+    "target_layer_ids",
+    "block_size",
+    "anchors",
+    "gamma",
+    "epochs",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "grad_clip",
+    "max_len",
+    "batch_tokens",
+    "seed",
+    "dtype",
+    "autocast",
+    "mask_token_id",
+    "max_steps",
+)
+
+
+def resolve_gamma(block_size: int, gamma: float | None) -> float:
+    if gamma is not None:
+        if not gamma > 0:
+            raise TrainError(f"--gamma must be > 0, got {gamma}")
+        return float(gamma)
+    if block_size not in GAMMA_AUTO:
+        raise TrainError(
+            f"--gamma auto is defined for block sizes 8, 10 and 16 (gamma 4, 5, 7, from the paper); "
+            f"pass an explicit --gamma for block size {block_size} (about block_size / 2 is a fair start)"
+        )
+    return GAMMA_AUTO[block_size]
+
+
+def check_config(cfg: TrainConfig) -> None:
+    problems = []
+    if cfg.block_size < 2:
+        problems.append(
+            f"--block-size must be >= 2 (index 0 is the anchor, nothing to predict), got {cfg.block_size}"
+        )
+    if 2 * cfg.block_size > cfg.max_len:
+        problems.append(
+            f"--block-size {cfg.block_size} cannot fit: a sequence needs 2 x block size response "
+            f"tokens, more than --max-len {cfg.max_len}"
+        )
+    for name in ("layers", "anchors", "epochs", "batch_tokens", "micro_batch", "keep_checkpoints"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("eval_prompts", "eval_every", "save_every"):
+        if getattr(cfg, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.max_steps is not None and cfg.max_steps < 1:
+        problems.append(f"--max-steps must be >= 1, got {cfg.max_steps}")
+    if not 0 <= cfg.warmup < 1:
+        problems.append(f"--warmup is a fraction of the steps in [0, 1), got {cfg.warmup}")
+    if not cfg.lr > 0:
+        problems.append(f"--lr must be > 0, got {cfg.lr}")
+    for name in ("dtype", "save_dtype"):
+        if getattr(cfg, name) not in DTYPES and not (name == "dtype" and cfg.dtype == "auto"):
+            problems.append(
+                f"--{name.replace('_', '-')} must be one of {list(DTYPES)}, got {getattr(cfg, name)!r}"
+            )
+    if cfg.autocast not in ("auto", "on", "off"):
+        problems.append(f"--autocast must be auto, on or off, got {cfg.autocast!r}")
+    if not cfg.data:
+        problems.append("--data is empty: pass one or more JSONL files")
+    if problems:
+        raise TrainError("; ".join(problems))
+    resolve_gamma(cfg.block_size, cfg.gamma)
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sequence:
+    id: str
+    ids: torch.Tensor  # (S,) int64: prompt + response, truncated to max_len
+    loss_mask: torch.Tensor  # (S,) bool: True on response tokens
+    n_prompt: int
+
+
+def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict]:
+    """Records of a datagen JSONL file, checked: ids inside the vocabulary, a consistent loss mask."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrainError(f"data file {path} not found")
+    records = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.endswith("\n"):  # what an interrupted datagen leaves; rerunning it repairs the file
+                print(
+                    f"warning: {path} ends with a partial line (an interrupted datagen?); skipped",
+                    file=sys.stderr,
+                )
+                break
+            if not line.strip():
+                continue
+            where = f"{path} line {lineno}"
+            try:
+                rec = json.loads(line)
+                prompt, response, mask = rec["prompt_ids"], rec["response_ids"], rec["loss_mask"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise TrainError(
+                    f"{where}: not a datagen record ({e!r}); expected JSON with prompt_ids, "
+                    "response_ids and loss_mask"
+                ) from None
+            if len(mask) != len(prompt) + len(response):
+                raise TrainError(
+                    f"{where}: loss_mask has {len(mask)} entries for {len(prompt)} prompt + "
+                    f"{len(response)} response tokens"
+                )
+            ids = prompt + response
+            if ids:
+                lo, hi = min(ids), max(ids)
+                if lo < 0 or hi >= vocab_size:
+                    raise TrainError(
+                        f"{where}: token id {hi if hi >= vocab_size else lo} is outside the target vocabulary "
+                        f"(0..{vocab_size - 1}): this file was made with another tokenizer; regenerate it with "
+                        "`flashdraft datagen --target` set to this target"
+                    )
+            records.append(
+                {
+                    "id": str(rec.get("id", f"{path.name}:{lineno}")),
+                    "prompt_ids": prompt,
+                    "response_ids": response,
+                    "loss_mask": mask,
+                }
+            )
+    return records
+
+
+def prepare_data(cfg: TrainConfig, vocab_size: int) -> tuple[list[Sequence], list[list[int]], dict]:
+    """Training sequences, held-out evaluation prompts and counts. The last `eval_prompts` records
+    are held out (never trained on) unless `eval_data` gives the evaluation prompts."""
+    records = [r for path in cfg.data for r in read_records(path, vocab_size)]
+    if not records:
+        raise TrainError(f"no records in {', '.join(cfg.data)}")
+    if not any(any(r["loss_mask"]) for r in records):
+        raise TrainError(
+            f"no record in {', '.join(cfg.data)} has response tokens (loss_mask is 0 everywhere): "
+            "the draft only learns responses; regenerate the data with `flashdraft datagen`"
+        )
+    held_out: list[dict] = []
+    if cfg.eval_data:
+        held_out = read_records(cfg.eval_data, vocab_size)[: cfg.eval_prompts]
+    elif cfg.eval_prompts:
+        if cfg.eval_prompts >= len(records):
+            raise TrainError(
+                f"--eval-prompts {cfg.eval_prompts} would hold out all {len(records)} records: "
+                "lower it or pass --eval-data"
+            )
+        records, held_out = records[: -cfg.eval_prompts], records[-cfg.eval_prompts :]
+    eval_prompts = [r["prompt_ids"] for r in held_out if r["prompt_ids"]]
+    need = 2 * cfg.block_size
+    seqs, dropped, longest = [], 0, 0
+    for r in records:
+        ids = torch.tensor(r["prompt_ids"] + r["response_ids"], dtype=torch.long)[: cfg.max_len]
+        mask = torch.tensor(r["loss_mask"], dtype=torch.bool)[: cfg.max_len]
+        n_resp = int(mask.sum())
+        longest = max(longest, n_resp)
+        if n_resp < need:
+            dropped += 1
+            continue
+        seqs.append(Sequence(r["id"], ids, mask, len(r["prompt_ids"])))
+    if not seqs:
+        raise TrainError(
+            f"block size {cfg.block_size} cannot fit: no sequence has 2 x {cfg.block_size} = {need} response "
+            f"tokens within --max-len {cfg.max_len} (the longest has {longest}); lower --block-size or use "
+            "longer responses"
+        )
+    stats = {
+        "records": len(records),
+        "sequences": len(seqs),
+        "dropped_short": dropped,
+        "held_out": 0 if cfg.eval_data else len(held_out),
+        "eval_prompts": len(eval_prompts),
+        "tokens": sum(s.ids.numel() for s in seqs),
+        "response_tokens": sum(int(s.loss_mask.sum()) for s in seqs),
+    }
+    return seqs, eval_prompts, stats
+
+
+def file_fingerprint(paths: list[str]) -> list[str]:
+    out = []
+    for p in paths:
+        h = hashlib.sha256()
+        try:
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        except OSError as e:
+            raise TrainError(f"cannot read data file {p}: {e}") from None
+        out.append(h.hexdigest())
+    return out
+
+
+def _generator(*key) -> torch.Generator:
+    """A generator seeded from a key (seed, purpose, epoch, ...): the same on every rank and sitting."""
+    digest = hashlib.sha256(repr(key).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """The global batches of one epoch: sequence indices in a shuffled order, packed greedily up to
+    `batch_tokens` tokens per batch (a longer sequence gets a batch of its own)."""
+    order = torch.randperm(len(lengths), generator=_generator(seed, "order", epoch)).tolist()
+    batches, cur, tokens = [], [], 0
+    for i in order:
+        if cur and tokens + lengths[i] > batch_tokens:
+            batches.append(cur)
+            cur, tokens = [], 0
+        cur.append(i)
+        tokens += lengths[i]
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+# -- anchors, blocks, mask, loss ------------------------------------------------------------------
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, block_size: int, max_anchors: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Sorted anchor positions: up to `max_anchors` response positions p with p <= S - B, drawn
+    without replacement."""
+    n = loss_mask.numel()
+    candidates = loss_mask[: max(0, n - block_size + 1)].nonzero().flatten()
+    if candidates.numel() > max_anchors:
+        candidates = candidates[torch.randperm(candidates.numel(), generator=generator)[:max_anchors]]
+    return candidates.sort().values
+
+
+def block_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Loss weight per block index: 0 for the anchor, exp(-(k - 1) / gamma) for k = 1..B-1."""
+    k = torch.arange(block_size, dtype=torch.float64)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def block_targets(
+    ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels and weights (n_blocks, B): index k of the block at anchor a predicts x[a + k] (same
+    position, no shift), weighted by exp(-(k-1)/gamma) x response mask x in range; 0 at k = 0."""
+    pos = anchors[:, None] + torch.arange(block_size)  # (n, B)
+    in_range = pos < ids.numel()
+    safe = pos.clamp(max=ids.numel() - 1)
+    labels = ids[safe]
+    weights = block_weights(block_size, gamma) * (in_range & loss_mask[safe])
+    return labels, weights
+
+
+def build_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Visibility (b, Q, ctx_len + Q), Q = n_blocks * B, over keys [context ; blocks]; True = may attend.
+
+    anchors: (b, n_blocks), -1 marks a padding block. A query of block j sees context positions
+    strictly before that block's anchor and the B tokens of block j itself, nothing of any other
+    block (blocks are identified by their slot, their relation to others by nothing at all);
+    padding queries see nothing."""
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # (b, Q)
+    real = q_anchor >= 0
+    ctx = torch.arange(ctx_len, device=anchors.device)[None, None, :] < q_anchor[:, :, None]
+    slot = torch.arange(q_anchor.shape[1], device=anchors.device) // block_size
+    own = (slot[:, None] == slot[None, :])[None] & real[:, :, None] & real[:, None, :]
+    return torch.cat([ctx, own], dim=-1)
+
+
+def make_rows_safe(mask: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """Let rows that see nothing (padding) attend to their own key, so attention never divides by
+    zero (a fully masked row gives NaN that would leak into gradients). No real query sees padding
+    keys and padding carries no loss, so nothing else changes."""
+    empty = ~mask.any(-1)  # (..., Q)
+    if not bool(empty.any()):
+        return mask
+    q = mask.shape[-2]
+    eye = torch.eye(q, dtype=torch.bool, device=mask.device)
+    out = mask.clone()
+    out[..., ctx_len:] |= eye & empty[..., :, None]
+    return out
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # (b, S) target input, right-padded
+    positions: torch.Tensor  # (b, S)
+    block_ids: torch.Tensor  # (b, Q) [x[a], MASK, ...] per block
+    block_positions: torch.Tensor  # (b, Q)
+    labels: torch.Tensor  # (b, Q)
+    weights: torch.Tensor  # (b, Q) float64, 0 on index 0 and padding
+    mask: torch.Tensor  # (b, Q, S + Q) bool, padding rows see nothing
+    n_blocks: int  # real blocks
+
+    def to(self, device) -> Batch:
+        return Batch(
+            **{
+                f.name: (
+                    getattr(self, f.name).to(device)
+                    if isinstance(getattr(self, f.name), torch.Tensor)
+                    else getattr(self, f.name)
+                )
+                for f in fields(self)
+            }
+        )
+
+
+def build_batch(
+    seqs: list[tuple[torch.Tensor, torch.Tensor]],
+    anchors: list[torch.Tensor],
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+) -> Batch:
+    """Blocks, labels, weights and the training mask for sequences (ids, loss_mask), padded."""
+    b = len(seqs)
+    s_max = max(ids.numel() for ids, _ in seqs)
+    n_max = max(1, max(a.numel() for a in anchors))
+    q = n_max * block_size
+    ids_pad = torch.zeros(b, s_max, dtype=torch.long)
+    anchor_pad = torch.full((b, n_max), -1, dtype=torch.long)
+    block_ids = torch.full((b, q), mask_token_id, dtype=torch.long)
+    block_pos = torch.arange(block_size).repeat(n_max)[None].repeat(b, 1)
+    labels = torch.zeros(b, q, dtype=torch.long)
+    weights = torch.zeros(b, q, dtype=torch.float64)
+    for i, ((ids, loss_mask), a) in enumerate(zip(seqs, anchors, strict=True)):
+        ids_pad[i, : ids.numel()] = ids
+        n = a.numel()
+        if not n:
+            continue
+        anchor_pad[i, :n] = a
+        lab, w = block_targets(ids, loss_mask, a, block_size, gamma)
+        labels[i, : n * block_size] = lab.flatten()
+        weights[i, : n * block_size] = w.flatten()
+        block_ids[i, 0 : n * block_size : block_size] = ids[a]
+        block_pos[i, : n * block_size] = (a[:, None] + torch.arange(block_size)).flatten()
+    return Batch(
+        ids_pad,
+        torch.arange(s_max)[None].repeat(b, 1),
+        block_ids,
+        block_pos,
+        labels,
+        weights,
+        build_mask(anchor_pad, s_max, block_size),
+        sum(a.numel() for a in anchors),
+    )
+
+
+def block_loss(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum(w * CE), sum(w)); the loss is their ratio, taken over the whole global batch."""
+    ce = F.cross_entropy(
+        logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits,
+        labels,
+        reduction="none",
+    )
+    w = weights.to(ce.dtype)
+    return (w * ce).sum(), w.sum()
+
+
+class FrozenHead:
+    """The target's LM head as a plain function, optionally on an upcast copy of its weight (on CPUs
+    without bf16 units an fp32 matmul is faster than a bf16 one, and more exact)."""
+
+    def __init__(self, lm_head: torch.nn.Module, dtype: torch.dtype | None = None):
+        w, b = lm_head.weight.detach(), getattr(lm_head, "bias", None)
+        self.weight = w if dtype is None else w.to(dtype)
+        self.bias = None if b is None else (b.detach() if dtype is None else b.detach().to(dtype))
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not torch.is_autocast_enabled(hidden.device.type):
+            hidden = hidden.to(self.weight.dtype)
+        return F.linear(hidden, self.weight, self.bias)
+
+
+@torch.no_grad()
+def target_features(target: Target, batch: Batch) -> torch.Tensor:
+    """Selected-layer features (b, S, n*H) of every position, from one causal forward of the frozen target."""
+    _, feats = target.forward(batch.ids, batch.positions, target.new_cache(), logits_to_keep=1, features=True)
+    return feats
+
+
+def draft_hidden(
+    draft, target: Target, batch: Batch, dtype: torch.dtype, features: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The training forward: every block of the batch in one draft pass under the training mask."""
+    if features is None:
+        features = target_features(target, batch)
+    config = draft.config
+    with torch.no_grad():
+        embeds = target.embed(batch.block_ids).to(dtype)
+        scale = float(config.extra.get("input_embedding_scale", 1.0))
+        if scale != 1.0:
+            embeds = embeds * scale
+    mask = make_rows_safe(batch.mask, batch.ids.shape[1])[:, None]
+    return draft(embeds, batch.block_positions, features.to(dtype), batch.positions, mask=mask)
+
+
+def batch_loss(
+    draft, target: Target, head, batch: Batch, dtype: torch.dtype, autocast: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum(w * CE), sum(w)) of a batch; logits are only computed where the weight is non-zero."""
+    features = target_features(target, batch)
+    with torch.autocast(batch.ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        hidden = draft_hidden(draft, target, batch, dtype, features)
+        keep = batch.weights > 0
+        logits = draft.logits(hidden[keep], head)
+    return block_loss(logits, batch.labels[keep], batch.weights[keep])
+
+
+# -- schedule -----------------------------------------------------------------------------------
+
+
+def lr_at(step: int, total: int, lr: float, warmup: float) -> float:
+    """Linear warmup over `warmup` x total steps, then cosine decay to 0 at `total`."""
+    n_warm = max(1, round(warmup * total)) if warmup > 0 else 0
+    if step < n_warm:
+        return lr * (step + 1) / n_warm
+    progress = (step - n_warm) / max(1, total - n_warm)
+    return lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# -- distributed --------------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    enabled: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(cfg: TrainConfig) -> tuple[Dist, torch.device]:
+    """Process group (under torchrun) and device: gloo on CPU, NCCL on GPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if world <= 1:
+        return Dist(), torch.device(want)
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if want.startswith("cuda"):
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(hours=3))
+    return Dist(dist.get_rank(), dist.get_world_size(), local, True), device
+
+
+def shard(draft: DFlashDraft, device: torch.device, d: Dist):
+    """FSDP2: shard each draft layer, then the rest (fc, norms), across the ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (d.world,))
+    for layer in draft.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(draft, mesh=mesh)
+    return draft
+
+
+def all_sum(value: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.enabled:
+        import torch.distributed as dist
+
+        dist.all_reduce(value)
+    return value
+
+
+def barrier(d: Dist) -> None:
+    if d.enabled:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _state_options(d: Dist, **kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=d.enabled, **kw)
+
+
+def unsharded(draft, d: Dist) -> DFlashDraft | None:
+    """The whole draft on rank 0 (the module itself without torchrun; a gathered copy with FSDP,
+    a collective call on every rank). Other ranks get None."""
+    if not d.enabled:
+        return draft
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(draft, options=_state_options(d))
+    if not d.main:
+        return None
+    with torch.random.fork_rng(devices=[]):  # building a module draws its random init: keep the RNG as is
+        copy = DFlashDraft(draft.config)
+    copy.to(next(iter(state.values())).dtype).load_state_dict(
+        state
+    )  # cast first: loading copies into the dtype
+    return copy
+
+
+# -- evaluation, metrics, plot ------------------------------------------------------------------
+
+
+def evaluate_tau(
+    draft: DFlashDraft, target: Target, prompts: list[list[int]], block_size: int, max_new_tokens: int
+) -> dict:
+    """tau of the real decode loop (greedy) on held-out prompts: committed tokens per target forward,
+    pooled over all prompts."""
+    proposer = DFlashProposer(draft, target, proposal="greedy")
+    committed, steps, t0 = 0, 0, time.perf_counter()
+    for prompt in prompts:
+        room = target.max_length - len(prompt)
+        if room < 1:
+            continue
+        cfg = GenerationConfig(
+            max_new_tokens=min(max_new_tokens, room), block_size=block_size, stop_ids=target.stop_ids
+        )
+        res = generate(target, prompt, proposer, cfg)
+        committed += sum(res.acceptance_lengths)
+        steps += len(res.acceptance_lengths)
+    return {
+        "tau": committed / steps if steps else float("nan"),
+        "eval_tokens": committed,
+        "eval_s": round(time.perf_counter() - t0, 3),
+    }
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return rows
+
+
+def plot_metrics(metrics: list[dict], path: Path) -> None:
+    """PNG of the training loss and the held-out tau against optimizer steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loss = [(m["step"], m["loss"]) for m in metrics if m.get("loss") is not None]
+    tau = [(m["step"], m["tau"]) for m in metrics if m.get("tau") is not None]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if loss:
+        ax1.plot(*zip(*loss, strict=True), lw=1)
+    ax1.set(xlabel="step", ylabel="loss (weighted CE)", title="training loss")
+    if loss and min(v for _, v in loss) > 0:
+        ax1.set_yscale("log")
+    if tau:
+        ax2.plot(*zip(*tau, strict=True), marker="o")
+    ax2.set(xlabel="step", ylabel="tau (tokens per target forward)", title="held-out tau (greedy)")
+    ax1.grid(alpha=0.3)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    """Complete checkpoints (renamed into place, so complete by construction), oldest first."""
+    root = out / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / STATE_NAME).is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+def read_state(ckpt: Path) -> dict:
+    try:
+        state = json.loads((ckpt / STATE_NAME).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TrainError(
+            f"{ckpt / STATE_NAME} is unreadable ({e}): delete {ckpt} to resume from an older one"
+        ) from None
+    if state.get("format") != STATE_FORMAT:
+        raise TrainError(f"{ckpt} was written by another trainer (format {state.get('format')!r})")
+    return state
+
+
+def target_fingerprint(target: Target) -> dict:
+    w = target.embedding.weight
+    rows = w[:: max(1, w.shape[0] // 256)].double()
+    return {
+        "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "head_layout": list(target.head_layout),
+        "embedding_checksum": float(rows.abs().sum()),
+    }
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_checkpoint(out: Path, step: int, draft, optimizer, d: Dist, state: dict, keep: int) -> Path | None:
+    """Write OUT/checkpoints/step-N atomically (temp dir, then rename) and prune older ones.
+    A collective call under torchrun; only rank 0 writes."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    whole = unsharded(draft, d)
+    optim = get_optimizer_state_dict(draft, optimizer, options=_state_options(d))
+    final = None
+    if d.main:
+        root = out / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step-{step:08d}"
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step:08d}.", suffix=".tmp"))
+        try:
+            whole.save_pretrained(tmp)
+            tensors = {}
+            for fqn, entries in optim["state"].items():
+                for name, value in entries.items():
+                    tensors[f"{fqn}::{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
+            save_file(tensors, str(tmp / OPTIM_NAME))
+            rng = {"torch": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+            save_file(rng, str(tmp / RNG_NAME))
+            py_state = random.getstate()
+            state = dict(
+                state,
+                format=STATE_FORMAT,
+                step=step,
+                python_random=[py_state[0], list(py_state[1]), py_state[2]],
+            )
+            (tmp / STATE_NAME).write_text(json.dumps(state, indent=1) + "\n")
+            for f in tmp.iterdir():
+                with open(f, "rb+") as fh:
+                    os.fsync(fh.fileno())
+            os.chmod(tmp, 0o755)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in checkpoint_dirs(out)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(d)
+    return final
+
+
+def load_checkpoint(ckpt: Path, draft, optimizer, d: Dist) -> None:
+    """Weights, optimizer moments and RNG states of a checkpoint into this (possibly sharded) run."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    try:
+        model = load_file(str(ckpt / "model.safetensors"))
+        flat = load_file(str(ckpt / OPTIM_NAME))
+        rng = load_file(str(ckpt / RNG_NAME))
+    except (SafetensorError, OSError) as e:
+        raise TrainError(
+            f"checkpoint {ckpt} is damaged ({e}): delete it to resume from an older one"
+        ) from None
+    set_model_state_dict(draft, model, options=opts)
+    optim = get_optimizer_state_dict(draft, optimizer, options=opts)
+    state: dict[str, dict] = {}
+    for key, value in flat.items():
+        fqn, name = key.rsplit("::", 1)
+        state.setdefault(fqn, {})[name] = value
+    set_optimizer_state_dict(
+        draft, optimizer, {"state": state, "param_groups": optim["param_groups"]}, options=opts
+    )
+    torch.set_rng_state(rng["torch"])
+    cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    py = read_state(ckpt)["python_random"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+def check_resume(state: dict, identity: dict, ckpt: Path) -> None:
+    """Refuse a checkpoint made for another run (options, data, target or draft shape)."""
+    old = state.get("identity", {})
+    diffs = []
+    for k in RUN_FIELDS:
+        a, b = old.get("config", {}).get(k), identity["config"][k]
+        if a != b:
+            diffs.append(f"--{k.replace('_', '-')}: checkpoint {a!r}, now {b!r}")
+    if old.get("data") != identity["data"]:
+        diffs.append("the data files (content or order) differ from the checkpoint's")
+    if old.get("held_out") != identity["held_out"]:
+        diffs.append(f"held-out records: checkpoint {old.get('held_out')}, now {identity['held_out']}")
+    for key in ("target", "draft_config"):
+        if key in identity and old.get(key) != identity[key]:
+            a, b = old.get(key) or {}, identity[key]
+            if (
+                key == "target"
+                and a
+                and {k: v for k, v in a.items() if k != "embedding_checksum"}
+                == {k: v for k, v in b.items() if k != "embedding_checksum"}
+                and math.isclose(a["embedding_checksum"], b["embedding_checksum"], rel_tol=1e-6)
+            ):
+                continue
+            changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            diffs.append(f"{'target model' if key == 'target' else 'draft config'} differs in {changed}")
+    if diffs:
+        raise TrainError(
+            f"cannot resume from {ckpt}: it belongs to a different run ({'; '.join(diffs)}). "
+            "Resume with the same target, data and options, or train into a new --out"
+        )
+
+
+# -- the training loop --------------------------------------------------------------------------
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) training; returns a summary. Raises TrainError on bad input or a NaN loss."""
+    check_config(cfg)
+    d, device = setup(cfg)
+    try:
+        return _train(cfg, d, device)
+    finally:
+        if d.enabled:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _log(d: Dist, msg: str) -> None:
+    if d.main:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
+    from tqdm import tqdm
+
+    t_start = time.perf_counter()
+    out = Path(cfg.out)
+    gamma = resolve_gamma(cfg.block_size, cfg.gamma)
+    found = checkpoint_dirs(out)
+    if cfg.resume and not found:
+        raise TrainError(f"--resume: no checkpoint in {out / 'checkpoints'} to resume from")
+    if not cfg.resume and found:
+        raise TrainError(
+            f"{out} already holds checkpoints of a run: pass --resume to continue it, or choose a new --out"
+        )
+    dtype = resolve_dtype(cfg.dtype, device)
+    identity = {
+        "config": {k: getattr(cfg, k) for k in RUN_FIELDS} | {"dtype": str(dtype).removeprefix("torch.")},
+        "data": file_fingerprint(cfg.data),
+        "held_out": 0 if cfg.eval_data else cfg.eval_prompts,
+    }
+    ckpt, ckpt_state = None, None
+    if cfg.resume:  # options and data first: a wrong --resume fails before the target is loaded
+        ckpt = found[-1]
+        ckpt_state = read_state(ckpt)
+        check_resume(ckpt_state, identity, ckpt)
+
+    master = torch.float64 if dtype == torch.float64 else torch.float32
+    use_autocast = cfg.autocast == "on" or (cfg.autocast == "auto" and device.type == "cuda")
+    target = load_target(cfg.target, dtype, str(device))
+    seqs, eval_prompts, stats = prepare_data(cfg, target.vocab_size)
+    mask_id = cfg.mask_token_id
+    if mask_id is None:
+        mask_id = getattr(target.tokenizer, "mask_token_id", None)
+        if mask_id is None:
+            mask_id = target.vocab_size - 1
+            _log(
+                d,
+                f"note: the tokenizer has no mask token; using mask_token_id={mask_id} (pass --mask-token-id "
+                "to choose a token that never occurs in outputs)",
+            )
+    if not 0 <= mask_id < target.vocab_size:
+        raise TrainError(
+            f"--mask-token-id {mask_id} is not a row of the target's embedding (0..{target.vocab_size - 1})"
+        )
+    dcfg = init_draft_config(
+        target.model.config, cfg.layers, mask_id, cfg.block_size, cfg.target_layer_ids, cfg.num_features
+    )
+    identity["target"] = target_fingerprint(target)
+    identity["draft_config"] = dcfg.to_json()
+    if ckpt is not None:
+        check_resume(ckpt_state, identity, ckpt)
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    draft = DFlashDraft(dcfg).to(device=device, dtype=master)
+    draft.check_target(target)
+    target.select_layers(dcfg.target_layer_ids)
+    if d.enabled:
+        shard(draft, device, d)
+    draft.train()
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    head = FrozenHead(target.lm_head, None if use_autocast else master)
+
+    lengths = [s.ids.numel() for s in seqs]
+    per_epoch = [len(epoch_batches(lengths, cfg.batch_tokens, cfg.seed, e)) for e in range(cfg.epochs)]
+    total = sum(per_epoch) if cfg.max_steps is None else min(sum(per_epoch), cfg.max_steps)
+    eval_every = cfg.eval_every or max(1, total // 10)
+    save_every = cfg.save_every or max(1, total // 10)
+    evaluating = bool(eval_prompts)
+
+    start = 0
+    metrics_path, plot_path = out / "metrics.jsonl", out / "plot.png"
+    if ckpt is not None:
+        load_checkpoint(ckpt, draft, optimizer, d)
+        start = int(ckpt_state["step"])
+        _log(d, f"resuming from {ckpt} at step {start}/{total}")
+        if d.main:  # forget metrics of steps the interrupted sitting ran past its last checkpoint
+            kept = [m for m in read_metrics(metrics_path) if m["step"] <= start]
+            _atomic_write(
+                metrics_path, lambda p: Path(p).write_text("".join(json.dumps(m) + "\n" for m in kept))
+            )
+    elif d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics_path.unlink(missing_ok=True)
+    if d.main:
+        for stale in (out / "checkpoints").glob(".step-*.tmp"):  # left by a run killed while saving
+            shutil.rmtree(stale, ignore_errors=True)
+    _log(
+        d,
+        f"data: {stats['sequences']} sequences ({stats['tokens']} tokens, {stats['response_tokens']} response), "
+        f"{stats['dropped_short']} dropped with fewer than {2 * cfg.block_size} response tokens, "
+        f"{stats['eval_prompts']} evaluation prompts{' held out' if stats['held_out'] else ''}",
+    )
+    _log(
+        d,
+        f"draft: {dcfg.num_hidden_layers} layers, block {cfg.block_size}, gamma {gamma}, target layers "
+        f"{dcfg.target_layer_ids}, mask {mask_id}, {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M "
+        f"parameters; {total} steps ({', '.join(map(str, per_epoch))} per epoch), world {d.world}, "
+        f"device {device}, autocast {'bf16' if use_autocast else 'off'}",
+    )
+
+    def log_metrics(row: dict) -> None:
+        if d.main:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def run_eval(step: int) -> float | None:
+        result = None
+        if evaluating:
+            whole = unsharded(draft, d)
+            if d.main:
+                result = evaluate_tau(whole, target, eval_prompts, cfg.block_size, cfg.eval_max_new_tokens)
+            barrier(d)
+        return result
+
+    def ckpt_state_now(step: int, epoch: int, epoch_step: int, last: dict) -> dict:
+        return {
+            "identity": identity,
+            "epoch": epoch,
+            "epoch_step": epoch_step,
+            "total_steps": total,
+            "loss": last.get("loss"),
+            "tau": last.get("tau"),
+            "data_stats": stats,
+            "train_config": asdict(cfg),
+            "wall_s": round(time.perf_counter() - t_start, 1),
+        }
+
+    last: dict = {}
+    last_ckpt = ckpt
+    if start == 0 and evaluating:
+        res = run_eval(0)
+        if res:
+            last = {"step": 0, "epoch": 0, **res}
+            log_metrics(last)
+            _log(d, f"step 0: tau {res['tau']:.3f} on {len(eval_prompts)} held-out prompts")
+    bar = tqdm(
+        total=total,
+        initial=start,
+        desc="train",
+        unit="step",
+        disable=not (d.main and cfg.progress),
+        dynamic_ncols=True,
+    )
+    epoch, plan, first_in_epoch = -1, [], 0
+    blocks_done, busy_s = 0, 0.0
+    for step in range(start, total):
+        while epoch < 0 or step >= first_in_epoch + len(plan):
+            if epoch >= 0:
+                first_in_epoch += len(plan)
+            epoch += 1
+            plan = epoch_batches(lengths, cfg.batch_tokens, cfg.seed, epoch)
+        j = step - first_in_epoch
+        t0 = time.perf_counter()
+        lr = lr_at(step, total, cfg.lr, cfg.warmup)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        batch_idx = plan[j]
+        anchors = {
+            i: sample_anchors(
+                seqs[i].loss_mask, cfg.block_size, cfg.anchors, _generator(cfg.seed, "anchors", epoch, i)
+            )
+            for i in batch_idx
+        }
+        total_w = (
+            sum(
+                float(
+                    block_targets(seqs[i].ids, seqs[i].loss_mask, anchors[i], cfg.block_size, gamma)[1].sum()
+                )
+                for i in batch_idx
+            )
+            or 1.0
+        )  # 0 only if no anchor has a response token after it
+        n_blocks = sum(a.numel() for a in anchors.values())
+        mine = batch_idx[d.rank :: d.world]
+        micro = [mine[k : k + cfg.micro_batch] for k in range(0, len(mine), cfg.micro_batch)]
+        # Every rank runs the same number of passes (FSDP collectives); spare ones carry zero weight.
+        n_micro = max(1, math.ceil(math.ceil(len(batch_idx) / d.world) / cfg.micro_batch))
+        wce_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for m in range(n_micro):
+            part, scale = (micro[m], 1.0) if m < len(micro) else ([batch_idx[0]], 0.0)
+            if d.enabled:
+                draft.set_requires_gradient_sync(m == n_micro - 1)
+            batch = build_batch(
+                [(seqs[i].ids, seqs[i].loss_mask) for i in part],
+                [anchors[i] for i in part],
+                cfg.block_size,
+                mask_id,
+                gamma,
+            ).to(device)
+            wce, _ = batch_loss(draft, target, head, batch, master, use_autocast)
+            # FSDP averages gradients over ranks: scale by world so the result is sum(w*CE) / sum(w).
+            (wce * (scale * d.world / total_w)).backward()
+            wce_sum += wce.detach().double() * scale
+        loss = float(all_sum(wce_sum, d)) / total_w
+        if not math.isfinite(loss):
+            bar.close()
+            raise TrainError(
+                f"loss is {loss} at step {step + 1} (epoch {epoch + 1}): training stopped; "
+                + (
+                    f"the last good checkpoint is {last_ckpt}"
+                    if last_ckpt
+                    else "no checkpoint had been written yet"
+                )
+                + " (lower --lr, or check the data and the target's dtype)"
+            )
+        grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if not math.isfinite(grad_norm):
+            bar.close()
+            raise TrainError(
+                f"gradient norm is {grad_norm} at step {step + 1}: training stopped; the last good "
+                f"checkpoint is {last_ckpt or 'none (none written yet)'}"
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        blocks_done += n_blocks
+        busy_s += dt
+        done = step + 1
+        last = {
+            "step": done,
+            "epoch": epoch,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "blocks": n_blocks,
+            "sequences": len(batch_idx),
+            "blocks_per_s": round(n_blocks / dt, 2),
+            "time_s": round(time.perf_counter() - t_start, 2),
+        }
+        if evaluating and (done % eval_every == 0 or done == total):
+            res = run_eval(done)
+            if res:
+                last.update(res)
+        log_metrics(last)
+        if d.main and "tau" in last:
+            plot_metrics(read_metrics(metrics_path), plot_path)
+        bar.set_postfix(
+            loss=f"{loss:.3f}", tau=f"{last['tau']:.2f}" if "tau" in last else "-", bps=f"{n_blocks / dt:.0f}"
+        )
+        bar.update(1)
+        if done % save_every == 0 or done == total:
+            last_ckpt = (
+                save_checkpoint(
+                    out,
+                    done,
+                    draft,
+                    optimizer,
+                    d,
+                    ckpt_state_now(done, epoch, j + 1, last),
+                    cfg.keep_checkpoints,
+                )
+                or last_ckpt
+            )
+    bar.close()
+
+    whole = unsharded(draft, d)
+    summary = {}
+    if d.main:
+        whole.save_pretrained(out / "draft", dtype=DTYPES[cfg.save_dtype])
+        rows = read_metrics(metrics_path)
+        plot_metrics(rows, plot_path)
+        losses = [m["loss"] for m in rows if m.get("loss") is not None]
+        taus = [(m["step"], m["tau"]) for m in rows if m.get("tau") is not None]
+        summary = {
+            "steps": total,
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "tau": taus,
+            "data": stats,
+            "blocks_per_s": round(blocks_done / busy_s, 2) if busy_s else None,
+            "wall_s": round(time.perf_counter() - t_start, 1),
+            "draft": str(out / "draft"),
+            "checkpoint": str(last_ckpt) if last_ckpt else None,
+        }
+        _atomic_write(
+            out / "summary.json", lambda p: Path(p).write_text(json.dumps(summary, indent=1) + "\n")
+        )
+        tau_txt = " -> ".join(f"{t:.3f}" for _, t in taus) if taus else "not evaluated"
+        _log(
+            d,
+            f"done: {total} steps, loss {summary['first_loss']} -> {summary['last_loss']}, tau {tau_txt}, "
+            f"{summary['blocks_per_s']} blocks/s, {summary['wall_s']} s; draft in {out / 'draft'}",
+        )
+    barrier(d)
+    return summary
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def _gamma(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gamma takes a number or 'auto', got {text!r}") from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`flashdraft train` options (see docs/training.md)."""
+    d = TrainConfig
+    p.add_argument(
+        "--target", required=True, help="built-in name, a .gguf file or a local HF model directory"
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        type=lambda s: [x for x in s.split(",") if x],
+        help="comma-separated datagen JSONL files",
+    )
+    p.add_argument(
+        "--out", required=True, help="run directory: checkpoints/, draft/, metrics.jsonl, plot.png"
+    )
+    p.add_argument("--layers", type=int, default=d.layers, help="draft layers")
+    p.add_argument("--num-features", type=int, default=None, help="target layers read (default: --layers)")
+    p.add_argument("--target-layer-ids", type=_int_list, default=None, help="explicit 0-based target layers")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--anchors", type=int, default=d.anchors, help="max anchors (blocks) per sequence")
+    p.add_argument("--gamma", type=_gamma, default=None, help="loss decay; auto = 7/5/4 for block 16/10/8")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=float, default=d.warmup, help="warmup fraction of the steps")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument("--max-len", type=int, default=d.max_len, help="truncate sequences to this many tokens")
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=d.batch_tokens,
+        help="sequence tokens per optimizer step (global batch, gradient accumulation)",
+    )
+    p.add_argument(
+        "--micro-batch", type=int, default=d.micro_batch, help="sequences per forward pass per rank"
+    )
+    p.add_argument(
+        "--eval-data",
+        default=None,
+        help="JSONL with evaluation prompts (default: hold out the last --eval-prompts records of --data)",
+    )
+    p.add_argument(
+        "--eval-prompts", type=int, default=d.eval_prompts, help="held-out prompts for tau; 0 = none"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=d.eval_every, help="steps between evaluations (0: ~10 per run)"
+    )
+    p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens)
+    p.add_argument(
+        "--save-every", type=int, default=d.save_every, help="steps between checkpoints (0: ~10 per run)"
+    )
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default=d.dtype,
+        help="the frozen target's dtype (auto: bfloat16 on GPUs and CPUs with native bf16, else float32)",
+    )
+    p.add_argument(
+        "--autocast",
+        choices=["auto", "on", "off"],
+        default=d.autocast,
+        help="bf16 autocast of the draft (auto: on CUDA only)",
+    )
+    p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument(
+        "--max-steps", type=int, default=None, help="stop (and end the schedule) after this many steps"
+    )
+    p.add_argument("--save-dtype", choices=list(DTYPES), default=d.save_dtype, help="dtype of OUT/draft")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

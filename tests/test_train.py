@@ -1,0 +1,547 @@
+"""`flashdraft train`: the training mask, labels and loss against brute-force references (and the three
+pitfalls of DFLASH.md section 4, each shown to be caught), training forward == inference forward, 2-rank
+torchrun == 1 process, kill -9 + --resume == uninterrupted, refused resumes, NaN stop, bad data."""
+
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_draft, make_hf_model
+from safetensors.torch import load_file
+
+from flashdraft import DFlashDraft, DFlashProposer, SamplingConfig, Target
+from flashdraft import train as T
+
+VOCAB, MASK, B = 128, 3, 4  # tiny models: block size 4, mask id 3 (never in the data)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: a second thread only adds synchronisation (x1000 slower on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- references -----------------------------------------------------------------------------------
+
+
+def reference_mask(anchors: list[list[int]], ctx_len: int, block_size: int) -> torch.Tensor:
+    """The visibility rules of DFLASH.md, one (query, key) pair at a time. anchors[i] lists the real
+    anchors of sequence i; the batch is padded to the longest list."""
+    n_max = max(len(a) for a in anchors)
+    q = n_max * block_size
+    out = torch.zeros(len(anchors), q, ctx_len + q, dtype=torch.bool)
+    for i, seq_anchors in enumerate(anchors):
+        for qi in range(q):
+            b = qi // block_size
+            if b >= len(seq_anchors):
+                continue  # padding sees nothing
+            for key in range(ctx_len + q):
+                if key < ctx_len:  # a context position
+                    out[i, qi, key] = key < seq_anchors[b]
+                else:  # a block token: visible iff it belongs to the same block
+                    out[i, qi, key] = (key - ctx_len) // block_size == b
+    return out
+
+
+def _padded(anchors):
+    n_max = max(len(a) for a in anchors)
+    return torch.tensor([a + [-1] * (n_max - len(a)) for a in anchors])
+
+
+def pitfall_le_anchor(anchors, ctx_len, block_size):
+    """`<= anchor`: the block also sees the anchor position's own target features."""
+    m = T.build_mask(_padded(anchors), ctx_len, block_size).clone()
+    a = _padded(anchors).repeat_interleave(block_size, dim=1)
+    m[..., :ctx_len] = (torch.arange(ctx_len)[None, None] <= a[..., None]) & (a[..., None] >= 0)
+    return m
+
+
+def pitfall_ctx_by_block_index(anchors, ctx_len, block_size):
+    """Context visibility decided by the block's index (as if blocks tiled the sequence), not its anchor."""
+    m = T.build_mask(_padded(anchors), ctx_len, block_size).clone()
+    a = _padded(anchors)
+    start = (torch.arange(a.shape[1]) * block_size)[None].expand_as(a)
+    start = torch.where(a >= 0, start, torch.full_like(a, -1)).repeat_interleave(block_size, dim=1)
+    m[..., :ctx_len] = torch.arange(ctx_len)[None, None] < start[..., None]
+    return m
+
+
+def pitfall_blocks_see_earlier(anchors, ctx_len, block_size):
+    """Cross-block visibility by block index: a block also attends to the blocks listed before it."""
+    m = T.build_mask(_padded(anchors), ctx_len, block_size).clone()
+    a = _padded(anchors).repeat_interleave(block_size, dim=1)
+    slot = torch.arange(a.shape[1]) // block_size
+    real = a >= 0
+    m[..., ctx_len:] = (slot[None, :, None] >= slot[None, None, :]) & real[..., None] & real[:, None, :]
+    return m
+
+
+PITFALLS = [pitfall_le_anchor, pitfall_ctx_by_block_index, pitfall_blocks_see_earlier]
+ANCHOR_SETS = [[[5, 6, 13, 20]], [[2, 9], [4, 5, 6, 15, 16]], [[0, 11, 12]]]  # overlapping blocks, padding
+
+
+@pytest.mark.parametrize("anchors", ANCHOR_SETS)
+def test_mask_matches_brute_force_and_pitfalls_do_not(anchors):
+    ctx_len = 24
+    ref = reference_mask(anchors, ctx_len, B)
+    assert torch.equal(T.build_mask(_padded(anchors), ctx_len, B), ref)
+    for pitfall in PITFALLS:
+        assert not torch.equal(pitfall(anchors, ctx_len, B), ref), pitfall.__name__
+
+
+def test_padding_rows_are_made_safe_and_nothing_else_changes():
+    anchors = [[2, 9], [4, 5, 6]]
+    m = T.build_mask(_padded(anchors), 20, B)
+    pad_rows = ~m.any(-1)
+    assert int(pad_rows.sum()) == B  # one padding block in sequence 0
+    safe = T.make_rows_safe(m, 20)
+    assert safe.any(-1).all()
+    assert torch.equal(safe[~pad_rows], m[~pad_rows])
+    rows = pad_rows.nonzero()
+    for i, qi in rows.tolist():
+        assert safe[i, qi].nonzero().flatten().tolist() == [20 + qi]  # only its own key
+
+
+def test_labels_are_same_position_and_weights_decay():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, VOCAB, (30,), generator=g)
+    loss_mask = torch.zeros(30, dtype=torch.bool)
+    loss_mask[8:] = True
+    loss_mask[17] = False  # a hole: its label gets no weight
+    anchors = torch.tensor([8, 9, 14, 26, 28])  # 28: the last two indices fall past the end
+    gamma = 2.5
+    labels, weights = T.block_targets(ids, loss_mask, anchors, B, gamma)
+    for b, a in enumerate(anchors.tolist()):
+        for k in range(B):
+            p = a + k
+            want_w = 0.0 if k == 0 or p >= 30 or not loss_mask[p] else math.exp(-(k - 1) / gamma)
+            assert weights[b, k].item() == pytest.approx(want_w, abs=1e-12)
+            if p < 30:
+                assert labels[b, k] == ids[p]  # same position: index k predicts x[a + k]
+    shifted = torch.stack([ids[(a + torch.arange(B) + 1).clamp(max=29)] for a in anchors.tolist()])
+    real = weights > 0
+    assert not torch.equal(shifted[real], labels[real])  # the shifted-labels pitfall would be caught
+
+
+def test_block_loss_is_weighted_mean_of_cross_entropy():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(12, VOCAB, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, VOCAB, (12,), generator=g)
+    w = T.block_weights(B, 7.0).repeat(3)
+    wce, wsum = T.block_loss(logits, labels, w)
+    logp = torch.log_softmax(logits, -1)
+    manual = sum(-w[i] * logp[i, labels[i]] for i in range(12)) / w.sum()
+    assert (wce / wsum).item() == pytest.approx(manual.item(), rel=1e-12)
+    assert T.block_weights(16, 7.0)[1:].tolist() == pytest.approx(
+        [math.exp(-(k - 1) / 7) for k in range(1, 16)]
+    )
+    assert T.block_weights(16, 7.0)[0] == 0
+    assert [T.resolve_gamma(b, None) for b in (16, 10, 8)] == [7, 5, 4]
+    with pytest.raises(T.TrainError, match="explicit --gamma"):
+        T.resolve_gamma(12, None)
+
+
+def test_sample_anchors_rules():
+    mask = torch.zeros(40, dtype=torch.bool)
+    mask[10:] = True
+    a = T.sample_anchors(mask, B, 512, torch.Generator().manual_seed(0))
+    assert a.tolist() == list(range(10, 40 - B + 1))  # every response position with room for a block
+    picks = [T.sample_anchors(mask, B, 5, T._generator(0, "anchors", e, 0)) for e in range(3)]
+    for p in picks:
+        assert p.numel() == 5 and torch.equal(p, p.sort().values) and p.unique().numel() == 5
+        assert int(p.min()) >= 10 and int(p.max()) <= 40 - B
+    assert not torch.equal(picks[0], picks[1])  # resampled every epoch
+
+
+def test_lr_schedule():
+    lrs = [T.lr_at(s, 100, 1.0, 0.04) for s in range(100)]
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))
+    assert lrs[-1] < 0.01
+
+
+# -- training forward == inference forward ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = make_hf_model("llama", vocab=VOCAB)
+    target = Target(model)
+    draft = make_draft(model, layers=2, block_size=B, mask_token_id=MASK)
+    target.select_layers(draft.config.target_layer_ids)
+    return target, draft
+
+
+def _inference_logits(draft, target, ids, feats, a):
+    """The draft at decode time: context features go through the KV cache in two chunks (as prefill
+    and a verify step would add them), then the block [x[a], MASK...] at positions a..a+B-1."""
+    cache = draft.new_cache()
+    emb = target.embed(torch.full((1, B), MASK)).to(torch.float64)
+    c1 = a // 2
+    pos = torch.arange(a + B)[None]
+    if c1:
+        draft(emb, torch.arange(c1, c1 + B)[None], feats[:, :c1], pos[:, :c1], cache=cache)  # block discarded
+    block = torch.full((1, B), MASK)
+    block[0, 0] = ids[a]
+    hidden = draft(
+        target.embed(block).to(torch.float64), pos[:, a:], feats[:, c1:a], pos[:, c1:a], cache=cache
+    )
+    return draft.logits(hidden, target.lm_head)[0]
+
+
+@pytest.mark.parametrize("pitfall", [None, *PITFALLS], ids=lambda p: "correct" if p is None else p.__name__)
+def test_training_forward_equals_inference_forward(tiny, pitfall):
+    target, draft = tiny
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, VOCAB, (30,), generator=g)
+    loss_mask = torch.zeros(30, dtype=torch.bool)
+    loss_mask[8:] = True
+    anchors = [8, 9, 15, 16, 26]
+    batch = T.build_batch([(ids, loss_mask)], [torch.tensor(anchors)], B, MASK, 4.0)
+    if pitfall is not None:
+        batch.mask = pitfall([anchors], batch.ids.shape[1], B)
+    feats = T.target_features(target, batch)
+    with torch.no_grad():
+        train_logits = draft.logits(
+            T.draft_hidden(draft, target, batch, torch.float64, feats), target.lm_head
+        )[0]
+        diffs = []
+        for b, a in enumerate(anchors):
+            inf = _inference_logits(draft, target, ids, feats, a)
+            diffs.append((train_logits[b * B : (b + 1) * B] - inf).abs().max().item())
+    if pitfall is None:
+        assert max(diffs) < 1e-10, diffs
+    else:
+        assert max(diffs) > 1e-6, f"{pitfall.__name__} went unnoticed"
+
+
+def test_training_forward_matches_proposer_and_padding_changes_nothing(tiny):
+    target, draft = tiny
+    g = torch.Generator().manual_seed(3)
+    seqs = [(torch.randint(4, VOCAB, (n,), generator=g), torch.arange(n) >= 6) for n in (26, 18)]
+    anchors = [torch.tensor([6, 7, 12, 19]), torch.tensor([9])]
+    batch = T.build_batch(seqs, anchors, B, MASK, 4.0)
+    with torch.no_grad():
+        both = draft.logits(T.draft_hidden(draft, target, batch, torch.float64), target.lm_head)
+        assert torch.isfinite(both).all()  # padded rows (sequence 1 has one block of four) are safe
+        for i, (s, a) in enumerate(zip(seqs, anchors, strict=True)):
+            alone = T.build_batch([s], [a], B, MASK, 4.0)
+            one = draft.logits(T.draft_hidden(draft, target, alone, torch.float64), target.lm_head)[0]
+            assert (both[i, : one.shape[0]] - one).abs().max() < 1e-10
+            # the real proposer, fed the context like the decode loop, drafts the argmax of these logits
+            ids = s[0]
+            feats = T.target_features(target, alone)
+            for b, anc in enumerate(a.tolist()):
+                proposer = DFlashProposer(draft, target)
+                proposer.start(feats[:, : anc // 2])
+                proposer.accept(feats[:, anc // 2 : anc])
+                drafted, _ = proposer.propose(ids[None, : anc + 1], B - 1, SamplingConfig())
+                assert drafted[0].tolist() == one[b * B + 1 : (b + 1) * B].argmax(-1).tolist()
+    # gradients through a padded batch stay finite and equal the sum of the parts
+    wce, w = T.batch_loss(draft, target, T.FrozenHead(target.lm_head), batch, torch.float64)
+    parts = [
+        T.batch_loss(
+            draft, target, T.FrozenHead(target.lm_head), T.build_batch([s], [a], B, MASK, 4.0), torch.float64
+        )
+        for s, a in zip(seqs, anchors, strict=True)
+    ]
+    assert wce.item() == pytest.approx(sum(p[0].item() for p in parts), rel=1e-10)
+    assert w.item() == pytest.approx(sum(p[1].item() for p in parts), rel=1e-12)
+    wce.backward()
+    assert all(torch.isfinite(p.grad).all() for p in draft.parameters() if p.grad is not None)
+    draft.zero_grad(set_to_none=True)
+
+
+# -- whole runs --------------------------------------------------------------------------------
+
+
+def write_data(
+    path: Path, n: int, seed: int = 0, short: int = 0, vocab: int = VOCAB, no_response: bool = False
+):
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            p = [rng.randrange(4, vocab) for _ in range(rng.randint(3, 8))]
+            r_len = 0 if no_response else (rng.randint(2, 2 * B - 1) if i < short else rng.randint(10, 28))
+            r = [rng.randrange(4, vocab) for _ in range(r_len)]
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"s{i}",
+                        "dataset": "toy",
+                        "prompt_ids": p,
+                        "response_ids": r,
+                        "loss_mask": [0] * len(p) + [1] * len(r),
+                        "finish": "stop",
+                    }
+                )
+                + "\n"
+            )
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    make_hf_model("llama", vocab=VOCAB, max_pos=512).save_pretrained(root / "target")
+    make_hf_model("llama", vocab=VOCAB, max_pos=512, seed=5).save_pretrained(root / "other_target")
+    write_data(root / "data.jsonl", 14, short=2)
+    write_data(root / "data2.jsonl", 14, seed=1)
+    return root
+
+
+def config(files, out, **kw) -> T.TrainConfig:
+    base = dict(
+        target=str(files / "target"),
+        data=[str(files / "data.jsonl")],
+        out=str(out),
+        layers=1,
+        block_size=B,
+        gamma=2.0,
+        anchors=6,
+        lr=3e-3,
+        batch_tokens=90,
+        max_len=64,
+        eval_prompts=0,
+        dtype="float32",
+        mask_token_id=MASK,
+        seed=7,
+        progress=False,
+        save_dtype="float32",
+        epochs=3,
+    )
+    base.update(kw)
+    return T.TrainConfig(**base)
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict, atol: float):
+    assert a.keys() == b.keys()
+    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    assert worst <= atol, worst
+
+
+def test_run_writes_metrics_plot_checkpoints_and_a_loadable_draft(files, tmp_path):
+    out = tmp_path / "run"
+    summary = T.train(
+        config(files, out, eval_prompts=2, eval_every=3, eval_max_new_tokens=6, max_steps=6, save_every=3)
+    )
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and "tau" in rows[0] and "loss" not in rows[0]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
+    for r in train_rows:
+        assert {"epoch", "loss", "lr", "grad_norm", "blocks_per_s"} <= r.keys()
+        assert math.isfinite(r["loss"]) and r["blocks"] > 0
+    assert [r["step"] for r in rows if "tau" in r] == [0, 3, 6]
+    assert all(1.0 <= r["tau"] <= B for r in rows if "tau" in r)
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+    assert summary["data"]["dropped_short"] == 2 and summary["data"]["held_out"] == 2
+    draft = DFlashDraft.from_pretrained(out / "draft")
+    assert draft.config.block_size == B and draft.config.mask_token_id == MASK
+    assert_same_weights(weights(out / "draft"), weights(out / "checkpoints" / "step-00000006"), 0.0)
+    cfg = json.loads((out / "draft" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["mask_token_id"] == MASK
+
+
+def test_bad_inputs_fail_clearly(files, tmp_path):
+    other_vocab = write_data(tmp_path / "big.jsonl", 4, vocab=5000)
+    with pytest.raises(T.TrainError, match="outside the target vocabulary.*another tokenizer"):
+        T.train(config(files, tmp_path / "a", data=[str(other_vocab)]))
+    empty = write_data(tmp_path / "empty.jsonl", 4, no_response=True)
+    with pytest.raises(T.TrainError, match="no record .* has response tokens"):
+        T.train(config(files, tmp_path / "b", data=[str(empty)]))
+    with pytest.raises(T.TrainError, match="block size 16 cannot fit"):
+        T.train(config(files, tmp_path / "c", block_size=16, gamma=None, max_len=512))
+    with pytest.raises(T.TrainError, match="cannot fit"):
+        T.train(config(files, tmp_path / "d", block_size=40, max_len=64))
+    with pytest.raises(T.TrainError, match="block-size must be >= 2"):
+        T.train(config(files, tmp_path / "e", block_size=1))
+
+
+def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(files, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = T.batch_loss
+
+    def poisoned(*args, **kw):
+        calls["n"] += 1
+        wce, w = real(*args, **kw)
+        return (wce * float("nan"), w) if calls["n"] > 12 else (wce, w)
+
+    monkeypatch.setattr(T, "batch_loss", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(
+        T.TrainError, match=r"loss is nan at step (\d+).*last good checkpoint is .*step-0+(\d+)"
+    ) as e:
+        T.train(config(files, out, save_every=2, max_steps=10))
+    failed, kept = map(int, re.search(r"step (\d+) .*step-0+(\d+)", str(e.value)).groups())
+    assert kept == (failed - 1) // 2 * 2 and kept >= 2
+    assert [p.name for p in T.checkpoint_dirs(out)][-1] == f"step-{kept:08d}"
+    DFlashDraft.from_pretrained(out / "checkpoints" / f"step-{kept:08d}")  # the kept checkpoint loads
+
+
+def test_resume_refuses_another_run(files, tmp_path):
+    out = tmp_path / "run"
+    T.train(config(files, out, max_steps=2))
+    with pytest.raises(T.TrainError, match="pass --resume"):
+        T.train(config(files, out, max_steps=2))
+    with pytest.raises(T.TrainError, match="different run.*--block-size: checkpoint 4, now 8"):
+        T.train(config(files, out, max_steps=2, block_size=8, gamma=None, resume=True))
+    with pytest.raises(T.TrainError, match="different run.*data files"):
+        T.train(config(files, out, max_steps=2, data=[str(files / "data2.jsonl")], resume=True))
+    with pytest.raises(T.TrainError, match="different run.*target model"):
+        T.train(config(files, out, max_steps=2, target=str(files / "other_target"), resume=True))
+    with pytest.raises(T.TrainError, match="no checkpoint"):
+        T.train(config(files, tmp_path / "fresh", resume=True))
+    T.train(config(files, out, max_steps=2, resume=True, eval_every=5))  # the same run: accepted
+
+
+KILLER = """
+import os, signal, sys
+import flashdraft.train as T
+kind, at = os.environ["KILL_AT"].split(":")
+at = int(at)
+now = {"step": -1}
+real_lr, real_loss, real_save = T.lr_at, T.batch_loss, T.save_file
+
+def lr_at(step, *a):
+    now["step"] = step
+    return real_lr(step, *a)
+
+def batch_loss(*a, **k):
+    out = real_loss(*a, **k)
+    if kind == "step" and now["step"] + 1 == at:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-step: after the forward, before backward and update
+    return out
+
+def save_file(tensors, path, *a, **k):
+    real_save(tensors, path, *a, **k)
+    if kind == "save" and f"step-{at:08d}" in path:
+        os.kill(os.getpid(), signal.SIGKILL)  # inside a checkpoint write: weights written, the rest not
+T.lr_at, T.batch_loss, T.save_file = lr_at, batch_loss, save_file
+from flashdraft.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def cli_args(files, out, resume=False, **over):
+    opts = {
+        "target": files / "target",
+        "data": files / "data.jsonl",
+        "out": out,
+        "layers": 1,
+        "block-size": B,
+        "gamma": 2,
+        "anchors": 6,
+        "epochs": 3,
+        "lr": 3e-3,
+        "batch-tokens": 90,
+        "max-len": 64,
+        "eval-prompts": 0,
+        "dtype": "float32",
+        "mask-token-id": MASK,
+        "seed": 7,
+        "save-dtype": "float32",
+        "save-every": 2,
+        "max-steps": 8,
+    }
+    opts.update(over)
+    args = ["train", "--no-progress"] + [x for k, v in opts.items() for x in (f"--{k}", str(v))]
+    return args + (["--resume"] if resume else [])
+
+
+def test_kill9_then_resume_ends_at_the_uninterrupted_weights(files, tmp_path):
+    ref = tmp_path / "ref"
+    T.train(config(files, ref, save_every=2, max_steps=8))
+    out = tmp_path / "killed"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    for resume, kill in ((False, "step:5"), (True, "save:6")):  # mid-step 5, then inside the save of step 6
+        proc = subprocess.run(
+            [sys.executable, "-c", KILLER, *cli_args(files, out, resume)],
+            env=dict(env, KILL_AT=kill),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert proc.returncode == -9, proc.stderr[-3000:]
+        assert T.checkpoint_dirs(out)[-1].name == "step-00000004"
+    assert list(
+        (out / "checkpoints").glob(".step-00000006.*.tmp")
+    )  # the half-written checkpoint is a temp dir
+    T.train(config(files, out, save_every=2, max_steps=8, resume=True))
+    assert not list((out / "checkpoints").glob(".*.tmp"))
+    assert_same_weights(weights(out / "draft"), weights(ref / "draft"), 1e-6)
+    ref_rows = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows]  # no duplicated or lost steps
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref_rows], rel=1e-6)
+
+
+def test_torchrun_two_ranks_match_one_process(files, tmp_path):
+    common = dict(dtype="float64", max_steps=3, save_every=3, batch_tokens=80, micro_batch=1)
+    T.train(config(files, tmp_path / "one", **common))
+    args = cli_args(
+        files,
+        tmp_path / "two",
+        **{"dtype": "float64", "max-steps": 3, "save-every": 3, "batch-tokens": 80, "micro-batch": 1},
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "flashdraft",
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "world 2" in proc.stderr
+    one = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sequences"] for r in one] == [r["sequences"] for r in two]
+    assert any(r["sequences"] % 2 for r in one)  # an odd split: one rank runs a zero-weight pass
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-10)
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-9)
+    assert_same_weights(
+        weights(tmp_path / "two" / "checkpoints" / "step-00000003"),
+        weights(tmp_path / "one" / "checkpoints" / "step-00000003"),
+        1e-10,
+    )
+    opt_one = load_file(str(tmp_path / "one" / "checkpoints" / "step-00000003" / "optimizer.safetensors"))
+    opt_two = load_file(str(tmp_path / "two" / "checkpoints" / "step-00000003" / "optimizer.safetensors"))
+    assert opt_one.keys() == opt_two.keys()
+    assert_same_weights(opt_one, opt_two, 1e-10)
+
+
+def test_cli_help_lists_the_issue_options():
+    from flashdraft.cli import build_parser
+
+    text = build_parser().parse_args(
+        ["train", "--target", "t", "--data", "a.jsonl,b.jsonl", "--out", "o", "--gamma", "auto"]
+    )
+    cfg = T.TrainConfig.from_args(text)
+    assert cfg.data == ["a.jsonl", "b.jsonl"] and cfg.gamma is None and cfg.anchors == 512 and cfg.epochs == 6
+    assert cfg.lr == 6e-4 and cfg.block_size == 16 and cfg.layers == 5 and cfg.max_len == 3072
