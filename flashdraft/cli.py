@@ -1,4 +1,4 @@
-"""Command line: `flashdraft generate | init-draft | models`."""
+"""Command line: `flashdraft generate | init-draft | models | datagen | train`."""
 
 from __future__ import annotations
 
@@ -31,8 +31,12 @@ def _prompt_ids(args, target: Target) -> list[int]:
     if args.chat:
         if not getattr(tok, "chat_template", None):
             raise SystemExit("error: --chat needs a tokenizer with a chat template; drop --chat")
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return tok(args.prompt, add_special_tokens=True)["input_ids"]
 
@@ -45,9 +49,11 @@ class _TextStream:
 
     def __call__(self, new: list[int]) -> None:
         self.ids += new
-        text = self.tok.decode(self.ids, skip_special_tokens=True) if self.tok else " ".join(map(str, self.ids))
+        text = (
+            self.tok.decode(self.ids, skip_special_tokens=True) if self.tok else " ".join(map(str, self.ids))
+        )
         if text.startswith(self.shown):
-            self.out.write(text[len(self.shown):])
+            self.out.write(text[len(self.shown) :])
             self.out.flush()
             self.shown = text
 
@@ -68,15 +74,30 @@ def cmd_generate(args) -> int:
     res = generate(target, prompt, proposer, cfg, on_tokens=stream)
     text = target.tokenizer.decode(res.tokens, skip_special_tokens=True) if target.tokenizer else None
     if args.json:
-        print(json.dumps({
-            "prompt_ids": prompt, "token_ids": res.tokens, "text": text,
-            "acceptance_lengths": res.acceptance_lengths, "tau": res.tau, "tokens_per_s": res.tokens_per_s,
-            "prefill_s": res.prefill_s, "decode_s": res.decode_s, "draft_s": sum(res.draft_s),
-            "verify_s": sum(res.verify_s), "bookkeeping_s": res.bookkeeping_s, "stop_reason": res.stop_reason,
-        }))
+        print(
+            json.dumps(
+                {
+                    "prompt_ids": prompt,
+                    "token_ids": res.tokens,
+                    "text": text,
+                    "acceptance_lengths": res.acceptance_lengths,
+                    "tau": res.tau,
+                    "tokens_per_s": res.tokens_per_s,
+                    "prefill_s": res.prefill_s,
+                    "decode_s": res.decode_s,
+                    "draft_s": sum(res.draft_s),
+                    "verify_s": sum(res.verify_s),
+                    "bookkeeping_s": res.bookkeeping_s,
+                    "stop_reason": res.stop_reason,
+                }
+            )
+        )
     else:
-        print(f"\n\n[{len(res.tokens)} tokens, tau {res.tau:.2f}, {res.tokens_per_s:.1f} tokens/s, "
-              f"prefill {res.prefill_s * 1e3:.0f} ms, stop: {res.stop_reason}]", file=sys.stderr)
+        print(
+            f"\n\n[{len(res.tokens)} tokens, tau {res.tau:.2f}, {res.tokens_per_s:.1f} tokens/s, "
+            f"prefill {res.prefill_s * 1e3:.0f} ms, stop: {res.stop_reason}]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -87,8 +108,11 @@ def cmd_init_draft(args) -> int:
         mask = getattr(target.tokenizer, "mask_token_id", None)
         if mask is None:
             mask = target.vocab_size - 1
-            print(f"note: the tokenizer has no mask token; using mask_token_id={mask} "
-                  "(pass --mask-token-id to choose a token that never occurs in outputs)", file=sys.stderr)
+            print(
+                f"note: the tokenizer has no mask token; using mask_token_id={mask} "
+                "(pass --mask-token-id to choose a token that never occurs in outputs)",
+                file=sys.stderr,
+            )
     layer_ids = _ids(args.target_layer_ids) if args.target_layer_ids else None
     cfg = init_draft_config(target.model.config, args.layers, mask, args.block_size, layer_ids)
     if not 0 <= mask < target.vocab_size:  # the config only knows the declared vocab_size
@@ -97,8 +121,10 @@ def cmd_init_draft(args) -> int:
     draft = DFlashDraft(cfg)
     draft.check_target(target)
     draft.save_pretrained(args.out, dtype=DTYPES[args.dtype])
-    print(f"wrote {args.out}: {args.layers} layers, block {cfg.block_size}, target layers {cfg.target_layer_ids}, "
-          f"mask {mask}, {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters")
+    print(
+        f"wrote {args.out}: {args.layers} layers, block {cfg.block_size}, target layers {cfg.target_layer_ids}, "
+        f"mask {mask}, {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters"
+    )
     return 0
 
 
@@ -111,8 +137,10 @@ def cmd_models(args) -> int:
         return 0
     width = max(len(r["name"]) for r in rows)
     for r in rows:
-        state = (f"{'installed' if r['installed'] else 'not installed'}, "
-                 f"{'converted (cached)' if r['cached'] else 'not converted yet (converts on first use)'}")
+        state = (
+            f"{'installed' if r['installed'] else 'not installed'}, "
+            f"{'converted (cached)' if r['cached'] else 'not converted yet (converts on first use)'}"
+        )
         print(f"{r['name']:<{width}}  {state}\n{'':<{width}}  {r['description']} [{r['license']}]")
         if not r["installed"]:
             print(f"{'':<{width}}  install: {r['install']}")
@@ -124,9 +152,19 @@ def cmd_datagen(args) -> int:
     from .datagen import DatagenConfig, run_datagen
 
     cfg = DatagenConfig(
-        target=args.target, datasets=args.dataset.split(","), out=args.out, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, limit=args.limit, endpoint=args.endpoint, model=args.model, dtype=args.dtype,
+        target=args.target,
+        datasets=args.dataset.split(","),
+        out=args.out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        limit=args.limit,
+        endpoint=args.endpoint,
+        model=args.model,
+        dtype=args.dtype,
         progress=not args.no_progress,
     )
     print(run_datagen(cfg).line())
@@ -145,8 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text, speculatively when a draft is given")
-    g.add_argument("--target", required=True,
-                   help="built-in name (see `flashdraft models`), a .gguf file or a local HF model directory")
+    g.add_argument(
+        "--target",
+        required=True,
+        help="built-in name (see `flashdraft models`), a .gguf file or a local HF model directory",
+    )
     g.add_argument("--draft", help="DFlash draft directory (omit for plain decoding)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
@@ -158,51 +199,87 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--proposal", choices=["draft", "greedy"], default="draft",
-                   help="with sampling: sample drafts from the draft's distribution, or draft its argmax")
-    g.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it, else float32")
+    g.add_argument(
+        "--proposal",
+        choices=["draft", "greedy"],
+        default="draft",
+        help="with sampling: sample drafts from the draft's distribution, or draft its argmax",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="auto: bf16 where the hardware has it, else float32",
+    )
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("init-draft", help="write a randomly initialised draft shaped for a target")
-    i.add_argument("--target", required=True, help="built-in name, a .gguf file or a local HF model directory")
+    i.add_argument(
+        "--target", required=True, help="built-in name, a .gguf file or a local HF model directory"
+    )
     i.add_argument("--layers", type=int, default=5)
     i.add_argument("--block-size", type=int, default=16)
-    i.add_argument("--target-layer-ids", help="comma-separated 0-based target layers (default: spread formula)")
+    i.add_argument(
+        "--target-layer-ids", help="comma-separated 0-based target layers (default: spread formula)"
+    )
     i.add_argument("--mask-token-id", type=int, default=None)
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     i.add_argument("--out", required=True)
     i.set_defaults(func=cmd_init_draft)
 
-    m = sub.add_parser("models", help="list the built-in target names and whether they are installed / cached")
+    m = sub.add_parser(
+        "models", help="list the built-in target names and whether they are installed / cached"
+    )
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
 
-    d = sub.add_parser("datagen", help="regenerate training responses with the target itself (JSONL, resumable)")
-    d.add_argument("--target", required=True,
-                   help="built-in name, a .gguf file or a local HF model directory (with --endpoint: the tokenizer)")
-    d.add_argument("--dataset", required=True,
-                   help="comma-separated data set names (flashdraft.data), e.g. sharegpt-train,gsm-symbolic")
+    d = sub.add_parser(
+        "datagen", help="regenerate training responses with the target itself (JSONL, resumable)"
+    )
+    d.add_argument(
+        "--target",
+        required=True,
+        help="built-in name, a .gguf file or a local HF model directory (with --endpoint: the tokenizer)",
+    )
+    d.add_argument(
+        "--dataset",
+        required=True,
+        help="comma-separated data set names (flashdraft.data), e.g. sharegpt-train,gsm-symbolic",
+    )
     d.add_argument("--out", required=True, help="JSONL file; rerunning continues it (skips finished ids)")
     d.add_argument("--max-new-tokens", type=int, default=512)
-    d.add_argument("--batch-size", type=int, default=16,
-                   help="prompts per generate call (with --endpoint: concurrent requests)")
+    d.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="prompts per generate call (with --endpoint: concurrent requests)",
+    )
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
     d.add_argument("--seed", type=int, default=0, help="sampling seed; also picks the gsm-symbolic problems")
     d.add_argument("--limit", type=int, default=None, help="at most N prompts per data set")
-    d.add_argument("--endpoint", help="URL of an OpenAI-compatible server (vLLM, SGLang, ...) to generate with")
+    d.add_argument(
+        "--endpoint", help="URL of an OpenAI-compatible server (vLLM, SGLang, ...) to generate with"
+    )
     d.add_argument("--model", help="model name to request from --endpoint (default: --target)")
-    d.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it, else float32")
+    d.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="auto: bf16 where the hardware has it, else float32",
+    )
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_datagen)
 
     from .train import add_arguments as add_train_arguments
 
-    t = sub.add_parser("train", help="train a DFlash draft on regenerated data (resumable; torchrun for many ranks)")
+    t = sub.add_parser(
+        "train", help="train a DFlash draft on regenerated data (resumable; torchrun for many ranks)"
+    )
     add_train_arguments(t)
     t.set_defaults(func=cmd_train)
     return p

@@ -18,7 +18,7 @@ import torch
 from flashdraft import cli, models
 from flashdraft.decode import GenerationConfig, generate
 from flashdraft.models import GgufSource, ModelError
-from flashdraft.target import Target, TargetError, load_target
+from flashdraft.target import Target, TargetError, load_target, resolve_dtype
 
 SMOL = "smollm2-135m-instruct"
 
@@ -50,7 +50,7 @@ def _sha(path: Path) -> str:
 
 
 def test_smollm2_answers_paris_with_chat_template(smollm2):
-    assert smollm2.dtype == torch.bfloat16 and smollm2.num_layers == 30 and smollm2.stop_ids == [2]
+    assert smollm2.dtype == resolve_dtype("auto") and smollm2.num_layers == 30 and smollm2.stop_ids == [2]
     ids = smollm2.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
@@ -297,3 +297,16 @@ def test_damaged_gemma_parts_are_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(pkg, "chunk_paths", lambda: [tmp_path / "gone"])
     with pytest.raises(ModelError, match="damaged .*gone"):
         spec.find_gguf(spec, tmp_path)
+
+
+def test_auto_dtype_is_bf16_only_where_the_hardware_has_it(monkeypatch):
+    import flashdraft.target as target_mod
+
+    monkeypatch.setattr(target_mod, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(target_mod, "cpu_has_fast_bf16", lambda: False)
+    assert resolve_dtype("auto") == torch.float32 and resolve_dtype(None) == torch.float32
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_dtype("float64") == torch.float64
+    with pytest.raises(ValueError, match="dtype must be auto or one of"):
+        resolve_dtype("float8")
