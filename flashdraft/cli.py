@@ -103,16 +103,11 @@ def cmd_generate(args) -> int:
 
 def cmd_init_draft(args) -> int:
     target = load_target(args.target, torch.float32)
-    mask = args.mask_token_id
-    if mask is None:
-        mask = getattr(target.tokenizer, "mask_token_id", None)
-        if mask is None:
-            mask = target.vocab_size - 1
-            print(
-                f"note: the tokenizer has no mask token; using mask_token_id={mask} "
-                "(pass --mask-token-id to choose a token that never occurs in outputs)",
-                file=sys.stderr,
-            )
+    mask, note = (
+        (args.mask_token_id, None) if args.mask_token_id is not None else target.default_mask_token_id()
+    )
+    if note:
+        print(note, file=sys.stderr)
     layer_ids = _ids(args.target_layer_ids) if args.target_layer_ids else None
     cfg = init_draft_config(target.model.config, args.layers, mask, args.block_size, layer_ids)
     if not 0 <= mask < target.vocab_size:  # the config only knows the declared vocab_size

@@ -112,6 +112,17 @@ class Target:
             ids += [src] if isinstance(src, int) else list(src or [])
         return sorted(set(ids))
 
+    def default_mask_token_id(self) -> tuple[int, str | None]:
+        """The tokenizer's mask token, else the last vocabulary id, with a note saying so."""
+        mask = getattr(self.tokenizer, "mask_token_id", None)
+        if mask is not None:
+            return mask, None
+        mask = self.vocab_size - 1
+        return mask, (
+            f"note: the tokenizer has no mask token; using mask_token_id={mask} "
+            "(pass --mask-token-id to choose a token that never occurs in outputs)"
+        )
+
     # -- features --------------------------------------------------------------------------
 
     def select_layers(self, layer_ids: list[int]) -> None:

@@ -892,16 +892,11 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
     use_autocast = cfg.autocast == "on" or (cfg.autocast == "auto" and device.type == "cuda")
     target = load_target(cfg.target, dtype, str(device))
     seqs, eval_prompts, stats = prepare_data(cfg, target.vocab_size)
-    mask_id = cfg.mask_token_id
-    if mask_id is None:
-        mask_id = getattr(target.tokenizer, "mask_token_id", None)
-        if mask_id is None:
-            mask_id = target.vocab_size - 1
-            _log(
-                d,
-                f"note: the tokenizer has no mask token; using mask_token_id={mask_id} (pass --mask-token-id "
-                "to choose a token that never occurs in outputs)",
-            )
+    mask_id, note = (
+        (cfg.mask_token_id, None) if cfg.mask_token_id is not None else target.default_mask_token_id()
+    )
+    if note:
+        _log(d, note)
     if not 0 <= mask_id < target.vocab_size:
         raise TrainError(
             f"--mask-token-id {mask_id} is not a row of the target's embedding (0..{target.vocab_size - 1})"
