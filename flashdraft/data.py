@@ -209,10 +209,66 @@ def _load_humaneval(limit: int | None, seed: int) -> list[Example]:
     return out[:limit]
 
 
+# Training prompts shaped like HumanEval without touching it: a function's signature and docstring
+# from the Python standard library, body removed, in the same code template.
+STDLIB_SKIP = ("test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages")
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_functions() -> tuple[Example, ...]:
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in STDLIB_SKIP or part.startswith("_") for part in rel.parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        module = ".".join(rel.with_suffix("").parts)
+        for node in tree.body:
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if not doc or node.name.startswith("_") or len(doc) < 40 or len(node.body) < 3:
+                continue
+            head = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])
+            out.append(
+                Example(
+                    f"code-stdlib/{module}.{node.name}",
+                    "code-stdlib",
+                    (CODE_TEMPLATE.format(prompt=head + "\n"),),
+                    category="code",
+                )
+            )
+    return tuple(out)
+
+
+def _load_stdlib_code(limit: int | None, seed: int) -> list[Example]:
+    return list(_stdlib_functions())[:limit]
+
+
 GSM_SYMBOLIC = ("reasoning-gym", "0.1.25", "pip install reasoning-gym==0.1.25")
+GSM_SYMBOLIC_EVAL_SEED = 1000  # gsm-symbolic-eval; train on other seeds (datagen --seed)
 
 
 def _load_gsm_symbolic(limit: int | None, seed: int) -> list[Example]:
+    if seed == GSM_SYMBOLIC_EVAL_SEED:
+        raise DataError(
+            f"gsm-symbolic seed {seed} is the evaluation split: train on another seed, evaluate on gsm-symbolic-eval"
+        )
+    return _gsm_symbolic(limit, seed)
+
+
+def _load_gsm_symbolic_eval(limit: int | None, seed: int) -> list[Example]:
+    return _gsm_symbolic(limit, GSM_SYMBOLIC_EVAL_SEED)
+
+
+def _gsm_symbolic(limit: int | None, seed: int) -> list[Example]:
     size = GSM_SYMBOLIC_DEFAULT_SIZE if limit is None else limit
     if size < 1:
         raise DataError(f"gsm-symbolic needs a size >= 1, got {size}")
@@ -291,6 +347,22 @@ DATASETS: dict[str, DatasetSpec] = {
             "Apache-2.0",
             _load_gsm_symbolic,
         ),
+        DatasetSpec(
+            "gsm-symbolic-eval",
+            f"the gsm-symbolic evaluation problems (seed {GSM_SYMBOLIC_EVAL_SEED}, which gsm-symbolic refuses)",
+            *GSM_SYMBOLIC,
+            "Apache-2.0",
+            _load_gsm_symbolic_eval,
+        ),
+        DatasetSpec(
+            "code-stdlib",
+            "Python standard-library functions (signature + docstring, body removed) in the code template",
+            "python",
+            "stdlib",
+            "part of every Python installation",
+            "PSF-2.0",
+            _load_stdlib_code,
+        ),
     ]
 }
 
@@ -304,10 +376,33 @@ def load_dataset(name: str, limit: int | None = None, seed: int = 0) -> list[Exa
 
     For the generated set (gsm-symbolic) `limit` is how many to generate (default 500) and `seed`
     picks them: the same seed always gives the same examples. Other sets ignore `seed`."""
+    if name.endswith(".jsonl") and Path(name).is_file():
+        return read_prompts(name)[:limit]
     try:
         spec = DATASETS[name]
     except KeyError:
-        raise DataError(f"unknown data set {name!r}: known names are {', '.join(dataset_names())}") from None
+        raise DataError(
+            f"unknown data set {name!r}: known names are {', '.join(dataset_names())} (or a prompts .jsonl file)"
+        ) from None
     if limit is not None and limit < 0:
         raise DataError(f"limit must be >= 0, got {limit}")
     return spec.load(limit, seed)
+
+
+def write_prompts(examples: Sequence[Example], path: str | Path) -> None:
+    """Examples as JSON lines ({"id", "dataset", "turns"}), readable by `load_dataset(path)` where the
+    source packages are not installed (a GPU box without network)."""
+    with Path(path).open("w", encoding="utf-8") as f:
+        for ex in examples:
+            f.write(json.dumps({"id": ex.id, "dataset": ex.dataset, "turns": list(ex.turns)}) + "\n")
+
+
+def read_prompts(path: str | Path) -> list[Example]:
+    out = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            d = json.loads(line)
+            out.append(Example(str(d["id"]), str(d["dataset"]), tuple(str(t) for t in d["turns"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{path} line {n} is not a prompt record {{id, dataset, turns}} ({e})") from None
+    return out

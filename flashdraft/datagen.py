@@ -72,6 +72,7 @@ class DatagenConfig:
     endpoint: str | None = None
     model: str | None = None  # the model name sent to the endpoint (default: the target name)
     dtype: str = "auto"
+    device: str = "cpu"  # or "cuda": where the local target runs
     progress: bool = True
     timeout_s: float = 600.0  # per endpoint request
 
@@ -451,7 +452,7 @@ def _generate_local(target, prompts: list[_Prompt], cfg: DatagenConfig, emit: Ca
         if sampling:
             torch.manual_seed(_seed_for(cfg.seed, batch[0].id))
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+            out = model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device), **kw)
         gen = out[:, width:].tolist()
         for p, row in zip(batch, gen, strict=True):
             response, finish = cut_response(row, stop_ids)
@@ -570,7 +571,7 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
     from .target import resolve_dtype
 
     try:  # "auto" is resolved here, so the meta file records what actually ran
-        cfg.dtype = str(resolve_dtype(cfg.dtype)).removeprefix("torch.")
+        cfg.dtype = str(resolve_dtype(cfg.dtype, cfg.device)).removeprefix("torch.")
     except ValueError as e:
         raise DataGenError(f"--dtype: {e}") from None
     datasets = [d.strip() for d in cfg.datasets if d.strip()]
@@ -599,12 +600,12 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
         else:
             from .target import cpu_has_fast_bf16, load_target
 
-            if cfg.dtype == "bfloat16" and not cpu_has_fast_bf16():
+            if cfg.dtype == "bfloat16" and cfg.device == "cpu" and not cpu_has_fast_bf16():
                 log.warning(
                     "flashdraft: this CPU has no native bfloat16 (no avx512_bf16 / amx_bf16): bf16 matmuls are "
                     "emulated, far slower than float32 here; pass --dtype float32 (or auto)"
                 )
-            target = load_target(cfg.target, cfg.dtype)
+            target = load_target(cfg.target, cfg.dtype, cfg.device)
             tokenizer, stop_ids = target.tokenizer, target.stop_ids
         if tokenizer is None:
             raise DataGenError(
@@ -707,3 +708,75 @@ def _run(target, tokenizer, stop_ids, prompts, cfg, out: Path, summary: DatagenS
         summary.seconds = time.perf_counter() - start
         bar.close()
         writer.close()
+
+
+# -- packed token files: what the repository commits ---------------------------------------------
+
+PACKED_FORMAT = "flashdraft-tokens/1"
+
+
+def pack(sources: Sequence[str | os.PathLike], out: str | os.PathLike) -> dict:
+    """Write the records of datagen files as one compressed `.npz` of token ids (uint16 when the
+    vocabulary allows): about 1.5 bytes a token instead of ~6 in JSON, small enough to commit, and
+    read back by `flashdraft train --data` like the JSONL itself. Ids must be unique across sources."""
+    import numpy as np
+
+    records = [r for src in sources for r in read_records(src)]
+    if not records:
+        raise DataGenError(f"no records in {', '.join(map(str, sources))}: nothing to pack")
+    ids = [r["id"] for r in records]
+    if len(set(ids)) != len(ids):
+        raise DataGenError("the same record id occurs in two source files: pack each id once")
+    metas = {str(src): read_meta(src) for src in sources}
+    tokens = [t for r in records for t in r["prompt_ids"] + r["response_ids"]]
+    dtype = np.uint16 if max(tokens, default=0) < 2**16 else np.uint32
+    header = {"format": PACKED_FORMAT, "ids": ids, "datasets": [r["dataset"] for r in records], "meta": metas}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.npz")
+    np.savez_compressed(
+        tmp,
+        tokens=np.asarray(tokens, dtype=dtype),
+        lengths=np.asarray([[len(r["prompt_ids"]), len(r["response_ids"])] for r in records], dtype=np.int32),
+        finish=np.asarray([FINISH.index(r["finish"]) for r in records], dtype=np.uint8),
+        header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+    )
+    os.replace(tmp, out)
+    n_resp = sum(len(r["response_ids"]) for r in records)
+    return {
+        "records": len(records),
+        "tokens": len(tokens),
+        "response_tokens": n_resp,
+        "bytes": out.stat().st_size,
+    }
+
+
+def read_packed(path: str | os.PathLike, vocab_size: int | None = None) -> Iterator[dict]:
+    """The records of a `pack`ed file, as `read_records` gives them from JSONL."""
+    import numpy as np
+
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            tokens, lengths, finish = z["tokens"].astype(np.int64), z["lengths"], z["finish"]
+            header = json.loads(bytes(z["header"]).decode())
+    except (OSError, ValueError, KeyError, EOFError) as e:
+        raise DataGenError(
+            f"{path} is not a packed token file ({e}): repack it with `flashdraft pack-data`"
+        ) from None
+    if (
+        header.get("format") != PACKED_FORMAT
+        or len(header["ids"]) != len(lengths)
+        or lengths.sum() != len(tokens)
+    ):
+        raise DataGenError(f"{path}: header and arrays disagree (a damaged file): repack it")
+    if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
+        raise DataGenError(
+            f"{path}: token id {int(tokens.max())} is outside the vocabulary of {vocab_size}: packed for another "
+            "tokenizer"
+        )
+    start = 0
+    for rid, dataset, (n_p, n_r), fin in zip(header["ids"], header["datasets"], lengths, finish, strict=True):
+        seq = tokens[start : start + n_p + n_r].tolist()
+        start += n_p + n_r
+        yield make_record(rid, dataset, seq[:n_p], seq[n_p:], FINISH[int(fin)])

@@ -283,7 +283,9 @@ class Attention(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.head_dim)
 
-    def forward(self, x, ctx, rope_x, rope_ctx, cache: KVCache | None, mask: torch.Tensor | None):
+    def forward(
+        self, x, ctx, rope_x, rope_ctx, cache: KVCache | None, mask: torch.Tensor | None, blocks: int = 0
+    ):
         bsz, q_len, _ = x.shape
         c_len = ctx.shape[1]
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)).transpose(1, 2), *rope_x)
@@ -296,6 +298,9 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(self.layer_idx, k, v)
+        if blocks:
+            out = block_attention(q, k, v, c_len, mask, blocks, self.head_dim**-0.5)
+            return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
         if self.window is not None and mask is None:
             qi = torch.arange(q_len, device=x.device)[:, None] + (k.shape[2] - q_len)
             ki = torch.arange(k.shape[2], device=x.device)[None, :]
@@ -304,6 +309,27 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=self.n_kv != self.n_heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+def block_attention(q, k, v, c_len: int, ctx_visible: torch.Tensor, block_size: int, scale: float):
+    """Attention of the training layout, where the queries are many blocks of `block_size` tokens: a
+    block sees the context keys that `ctx_visible` (b, 1, Q, C) allows and every key of its own block,
+    nothing of other blocks. Equal to dense attention under that mask, at O(Q (C + B)) cost instead
+    of O(Q (C + Q)): with an anchor at every response position, Q is 16x the sequence length.
+
+    q (b, h, Q, d); k, v (b, kv, C + Q, d): context keys first, then the blocks' keys in query order."""
+    b, h, n_q, d = q.shape
+    n = n_q // block_size
+    k = k.repeat_interleave(h // k.shape[1], 1)
+    v = v.repeat_interleave(h // v.shape[1], 1)
+    s_ctx = (q @ k[:, :, :c_len].transpose(-1, -2)) * scale
+    s_ctx = s_ctx.masked_fill(~ctx_visible, float("-inf")).view(b, h, n, block_size, c_len)
+    k_own = k[:, :, c_len:].reshape(b, h, n, block_size, d)
+    v_own = v[:, :, c_len:].reshape(b, h, n, block_size, d)
+    s_own = (q.view(b, h, n, block_size, d) @ k_own.transpose(-1, -2)) * scale
+    p = torch.cat([s_ctx, s_own], -1).softmax(-1)
+    out = p[..., :c_len].reshape(b, h, n_q, c_len) @ v[:, :, :c_len]
+    return out + (p[..., c_len:] @ v_own).reshape(b, h, n_q, d)
 
 
 class MLP(nn.Module):
@@ -325,8 +351,8 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_x, rope_ctx, cache, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_x, rope_ctx, cache, mask)
+    def forward(self, x, ctx, rope_x, rope_ctx, cache, mask, blocks: int = 0):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_x, rope_ctx, cache, mask, blocks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -362,13 +388,16 @@ class DFlashDraft(nn.Module):
         ctx_positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         mask: torch.Tensor | None = None,
+        blocks: int = 0,
     ) -> torch.Tensor:
         """Hidden states (after the final norm) for the block tokens.
 
         block_embeds: (B, Q, H) target embeddings of [anchor, MASK, ...]; ctx_features: (B, C, n*H)
         concatenated raw target features of new context tokens (added to `cache` when given);
         positions are absolute. `mask` (bool, broadcastable to (B, 1, Q, keys)) is for training,
-        where blocks must not see each other; inference attends everywhere.
+        where blocks must not see each other; inference attends everywhere. With `blocks` = B the
+        queries are consecutive blocks of B tokens and `mask` (b, 1, Q, C) says which context positions
+        each may see; each block also sees itself, nothing else (the fast training layout).
         """
         if ctx_features is not None and ctx_features.shape[1]:
             ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
@@ -379,7 +408,7 @@ class DFlashDraft(nn.Module):
         rope_x = self.rotary(block_embeds, block_positions)
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, ctx, rope_x, rope_ctx, cache, mask)
+            x = layer(x, ctx, rope_x, rope_ctx, cache, mask, blocks)
         if cache is not None:
             cache.length += ctx.shape[1]
         return self.norm(x)

@@ -93,7 +93,13 @@ class TrainConfig:
     device: str = "auto"
     mask_token_id: int | None = None
     max_steps: int | None = None
+    max_minutes: float | None = None  # stop (saving the draft) after this much training time
     save_dtype: str = "bfloat16"  # dtype of the final draft in OUT/draft
+    # Sample efficiency (docs/training.md, "Choices"): what the draft learns from and starts from.
+    distill: bool = False  # KL to the target's own next-token distribution instead of CE on the data token
+    head_vocab: int = 0  # loss over the N most frequent response tokens only (0: the whole vocabulary)
+    init_from_target: bool = False  # draft layers start as copies of the target's top layers
+    cache_features: bool = False  # keep target features in memory after the first epoch
     resume: bool = False
     progress: bool = True
 
@@ -124,6 +130,9 @@ RUN_FIELDS = (
     "autocast",
     "mask_token_id",
     "max_steps",
+    "distill",
+    "head_vocab",
+    "init_from_target",
 )
 
 
@@ -154,7 +163,7 @@ def check_config(cfg: TrainConfig) -> None:
     for name in ("layers", "anchors", "epochs", "batch_tokens", "micro_batch", "keep_checkpoints"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("eval_prompts", "eval_every", "save_every"):
+    for name in ("eval_prompts", "eval_every", "save_every", "head_vocab"):
         if getattr(cfg, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if cfg.max_steps is not None and cfg.max_steps < 1:
@@ -193,6 +202,13 @@ def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise TrainError(f"data file {path} not found")
+    if path.suffix == ".npz":  # `flashdraft pack-data` output
+        from .datagen import DataGenError, read_packed
+
+        try:
+            return list(read_packed(path, vocab_size))
+        except DataGenError as e:
+            raise TrainError(str(e)) from None
     records = []
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
@@ -238,9 +254,12 @@ def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict]:
     return records
 
 
-def prepare_data(cfg: TrainConfig, vocab_size: int) -> tuple[list[Sequence], list[list[int]], dict]:
-    """Training sequences, held-out evaluation prompts and counts. The last `eval_prompts` records
-    are held out (never trained on) unless `eval_data` gives the evaluation prompts."""
+def prepare_data(
+    cfg: TrainConfig, vocab_size: int, tokenizer=None
+) -> tuple[list[Sequence], dict[str, list[list[int]]], dict]:
+    """Training sequences, evaluation prompts by set, and counts. The last `eval_prompts` records
+    are held out (never trained on) unless `eval_data` names the evaluation sets: datagen files or
+    built-in data set names (`gsm-symbolic-eval,humaneval`), `eval_prompts` from each."""
     records = [r for path in cfg.data for r in read_records(path, vocab_size)]
     if not records:
         raise TrainError(f"no records in {', '.join(cfg.data)}")
@@ -250,8 +269,17 @@ def prepare_data(cfg: TrainConfig, vocab_size: int) -> tuple[list[Sequence], lis
             "the draft only learns responses; regenerate the data with `flashdraft datagen`"
         )
     held_out: list[dict] = []
+    eval_sets: dict[str, list[list[int]]] = {}
     if cfg.eval_data:
-        held_out = read_records(cfg.eval_data, vocab_size)[: cfg.eval_prompts]
+        for item in (x for x in cfg.eval_data.split(",") if x):
+            if Path(item).is_file() and not _is_prompt_file(item):
+                eval_sets[Path(item).stem] = [
+                    r["prompt_ids"]
+                    for r in read_records(item, vocab_size)[: cfg.eval_prompts]
+                    if r["prompt_ids"]
+                ]
+            else:
+                eval_sets[item] = dataset_prompts(item, cfg.eval_prompts, tokenizer)
     elif cfg.eval_prompts:
         if cfg.eval_prompts >= len(records):
             raise TrainError(
@@ -259,7 +287,8 @@ def prepare_data(cfg: TrainConfig, vocab_size: int) -> tuple[list[Sequence], lis
                 "lower it or pass --eval-data"
             )
         records, held_out = records[: -cfg.eval_prompts], records[-cfg.eval_prompts :]
-    eval_prompts = [r["prompt_ids"] for r in held_out if r["prompt_ids"]]
+    if held_out:
+        eval_sets["held-out"] = [r["prompt_ids"] for r in held_out if r["prompt_ids"]]
     need = 2 * cfg.block_size
     seqs, dropped, longest = [], 0, 0
     for r in records:
@@ -282,11 +311,32 @@ def prepare_data(cfg: TrainConfig, vocab_size: int) -> tuple[list[Sequence], lis
         "sequences": len(seqs),
         "dropped_short": dropped,
         "held_out": 0 if cfg.eval_data else len(held_out),
-        "eval_prompts": len(eval_prompts),
+        "eval_prompts": sum(map(len, eval_sets.values())),
         "tokens": sum(s.ids.numel() for s in seqs),
         "response_tokens": sum(int(s.loss_mask.sum()) for s in seqs),
     }
-    return seqs, eval_prompts, stats
+    return seqs, eval_sets, stats
+
+
+def _is_prompt_file(path: str) -> bool:
+    """A `data.write_prompts` file (prompts only), not datagen records."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return path.endswith(".jsonl") and '"turns"' in f.readline()
+
+
+def dataset_prompts(name: str, n: int, tokenizer) -> list[list[int]]:
+    """The first `n` prompts of a built-in data set, through the target's chat template."""
+    from .data import DataError, load_dataset
+    from .datagen import _chat_ids
+
+    if tokenizer is None:
+        raise TrainError(
+            f"--eval-data {name}: not a file, and this target has no tokenizer to ask a data set with"
+        )
+    try:
+        return [_chat_ids(tokenizer, ex.messages()) for ex in load_dataset(name, limit=n)[:n]]
+    except DataError as e:
+        raise TrainError(f"--eval-data {name} is neither a file nor a usable data set: {e}") from None
 
 
 def file_fingerprint(paths: list[str]) -> list[str]:
@@ -398,8 +448,11 @@ class Batch:
     block_positions: torch.Tensor  # (b, Q)
     labels: torch.Tensor  # (b, Q)
     weights: torch.Tensor  # (b, Q) float64, 0 on index 0 and padding
-    mask: torch.Tensor  # (b, Q, S + Q) bool, padding rows see nothing
+    anchors: torch.Tensor  # (b, n_blocks) anchor positions, -1 for padding blocks
     n_blocks: int  # real blocks
+    # The dense (b, Q, S + Q) visibility of `build_mask`. None: the block layout computes the same
+    # attention without it (`draft.block_attention`); tests set it to check the rules one by one.
+    mask: torch.Tensor | None = None
 
     def to(self, device) -> Batch:
         return Batch(
@@ -450,32 +503,49 @@ def build_batch(
         block_pos,
         labels,
         weights,
-        build_mask(anchor_pad, s_max, block_size),
+        anchor_pad,
         sum(a.numel() for a in anchors),
     )
 
 
 def block_loss(
-    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    teacher_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum(w * CE), sum(w)); the loss is their ratio, taken over the whole global batch."""
-    ce = F.cross_entropy(
-        logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits,
-        labels,
-        reduction="none",
-    )
-    w = weights.to(ce.dtype)
-    return (w * ce).sum(), w.sum()
+    """(sum(w * loss), sum(w)); the loss is their ratio, taken over the whole global batch. The loss
+    is CE against `labels`, or with `teacher_logits` KL(teacher || draft): the target's whole
+    next-token distribution at that position, not just its top token."""
+    logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+    if teacher_logits is None:
+        per = F.cross_entropy(logits, labels, reduction="none")
+    else:
+        t = F.log_softmax(teacher_logits.to(logits.dtype), -1)
+        per = (t.exp() * (t - F.log_softmax(logits, -1))).sum(-1)
+    w = weights.to(per.dtype)
+    return (w * per).sum(), w.sum()
 
 
 class FrozenHead:
     """The target's LM head as a plain function, optionally on an upcast copy of its weight (on CPUs
-    without bf16 units an fp32 matmul is faster than a bf16 one, and more exact)."""
+    without bf16 units an fp32 matmul is faster than a bf16 one, and more exact).
 
-    def __init__(self, lm_head: torch.nn.Module, dtype: torch.dtype | None = None):
+    With `rows`, only those vocabulary rows: the loss is then a softmax over that sub-vocabulary
+    (`--head-vocab`), and `index` maps token ids to their row (-1 outside)."""
+
+    def __init__(
+        self, lm_head: torch.nn.Module, dtype: torch.dtype | None = None, rows: torch.Tensor | None = None
+    ):
         w, b = lm_head.weight.detach(), getattr(lm_head, "bias", None)
+        if rows is not None:
+            w, b = w[rows], (None if b is None else b[rows])
         self.weight = w if dtype is None else w.to(dtype)
         self.bias = None if b is None else (b.detach() if dtype is None else b.detach().to(dtype))
+        self.index = None
+        if rows is not None:
+            self.index = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.long, device=w.device)
+            self.index[rows] = torch.arange(rows.numel(), device=w.device)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if not torch.is_autocast_enabled(hidden.device.type):
@@ -490,6 +560,47 @@ def target_features(target: Target, batch: Batch) -> torch.Tensor:
     return feats
 
 
+def head_rows(seqs: list[Sequence], n: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `n` most frequent response tokens of the data (ties by id) and the share of response tokens
+    they cover: a softmax over them costs n/V of the full LM head, which dominates a CPU step."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s.ids[s.loss_mask], minlength=vocab_size)
+    rows = torch.sort(torch.argsort(counts, descending=True, stable=True)[: min(n, vocab_size)]).values
+    return rows, float(counts[rows].sum()) / max(1, int(counts.sum()))
+
+
+@torch.no_grad()
+def init_from_target(draft: DFlashDraft, target: Target) -> str:
+    """Start the draft as the target's top layers: draft layer i <- target layer L - n + i (attention,
+    MLP and norms), the final norm <- the target's, and fc reads the deepest selected feature through an
+    identity, with hidden_norm <- the first copied layer's input norm. The context keys and values then
+    start out exactly as that target layer computes them from its input. Returns a one-line summary."""
+    n, big = len(draft.layers), target.num_layers
+    ids = list(draft.config.target_layer_ids)
+    src_layers = [target._layers[big - n + i] for i in range(n)]
+    if "gemma" in type(target.model).__name__.lower():
+        raise TrainError("--init-from-target supports Llama/Qwen-style targets (Gemma norms are offset by 1)")
+    for layer, src in zip(draft.layers, src_layers, strict=True):
+        theirs = dict(src.named_parameters())
+        for name, p in layer.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")) and name not in theirs:
+                continue  # Llama has no q/k norm: the draft's stay at 1
+            if name not in theirs or theirs[name].shape != p.shape:
+                raise TrainError(
+                    f"--init-from-target: target layer has no {name} of shape {tuple(p.shape)}; train "
+                    "without --init-from-target"
+                )
+            p.copy_(theirs[name])
+    draft.norm.weight.copy_(target._final_norm.weight)
+    h = target.hidden_size
+    j = ids.index(max(ids))
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, j * h : (j + 1) * h] = torch.eye(h, dtype=draft.fc.weight.dtype)
+    draft.hidden_norm.weight.copy_(src_layers[0].input_layernorm.weight)
+    return f"draft layers <- target layers {big - n}..{big - 1}, fc <- identity on target layer {ids[j]}"
+
+
 def draft_hidden(
     draft, target: Target, batch: Batch, dtype: torch.dtype, features: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -502,20 +613,54 @@ def draft_hidden(
         scale = float(config.extra.get("input_embedding_scale", 1.0))
         if scale != 1.0:
             embeds = embeds * scale
-    mask = make_rows_safe(batch.mask, batch.ids.shape[1])[:, None]
-    return draft(embeds, batch.block_positions, features.to(dtype), batch.positions, mask=mask)
+    s = batch.ids.shape[1]
+    if batch.mask is not None:
+        mask = make_rows_safe(batch.mask, s)[:, None]
+        return draft(embeds, batch.block_positions, features.to(dtype), batch.positions, mask=mask)
+    q_anchor = batch.anchors.repeat_interleave(config.block_size, dim=1)  # (b, Q), -1 on padding
+    ctx_visible = torch.arange(s, device=q_anchor.device)[None, None, :] < q_anchor[:, :, None]
+    return draft(
+        embeds,
+        batch.block_positions,
+        features.to(dtype),
+        batch.positions,
+        mask=ctx_visible[:, None],
+        blocks=config.block_size,
+    )
 
 
 def batch_loss(
-    draft, target: Target, head, batch: Batch, dtype: torch.dtype, autocast: bool = False
+    draft,
+    target: Target,
+    head,
+    batch: Batch,
+    dtype: torch.dtype,
+    autocast: bool = False,
+    features: torch.Tensor | None = None,
+    teacher: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum(w * CE), sum(w)) of a batch; logits are only computed where the weight is non-zero."""
-    features = target_features(target, batch)
+    """(sum(w * loss), sum(w)) of a batch; logits are only computed where the weight is non-zero.
+
+    `teacher` (b, S, H): the target's final hidden states; block slot k of the block at anchor a
+    then learns the target's distribution at position a + k - 1 (which predicts x[a + k])."""
+    if features is None:
+        features = target_features(target, batch)
+    keep = batch.weights > 0
+    labels, weights = batch.labels[keep], batch.weights[keep]
+    if head.index is not None:  # a sub-vocabulary: tokens outside it carry no loss
+        labels = head.index[labels]
+        weights = weights * (labels >= 0)
+        labels = labels.clamp(min=0)
     with torch.autocast(batch.ids.device.type, dtype=torch.bfloat16, enabled=autocast):
         hidden = draft_hidden(draft, target, batch, dtype, features)
-        keep = batch.weights > 0
         logits = draft.logits(hidden[keep], head)
-    return block_loss(logits, batch.labels[keep], batch.weights[keep])
+        teacher_logits = None
+        if teacher is not None:
+            with torch.no_grad():
+                pos = (batch.block_positions - 1).clamp(min=0)[keep]
+                rows = torch.arange(batch.ids.shape[0], device=pos.device)[:, None].expand_as(keep)[keep]
+                teacher_logits = draft.logits(teacher[rows, pos].to(dtype), head)
+    return block_loss(logits, labels, weights, teacher_logits)
 
 
 # -- schedule -----------------------------------------------------------------------------------
@@ -620,25 +765,35 @@ def unsharded(draft, d: Dist) -> DFlashDraft | None:
 
 
 def evaluate_tau(
-    draft: DFlashDraft, target: Target, prompts: list[list[int]], block_size: int, max_new_tokens: int
+    draft: DFlashDraft,
+    target: Target,
+    prompts: dict[str, list[list[int]]] | list[list[int]],
+    block_size: int,
+    max_new_tokens: int,
 ) -> dict:
     """tau of the real decode loop (greedy) on held-out prompts: committed tokens per target forward,
-    pooled over all prompts."""
+    pooled over all prompts ("tau") and per evaluation set ("tau/<set>")."""
+    sets = prompts if isinstance(prompts, dict) else {"held-out": prompts}
     proposer = DFlashProposer(draft, target, proposal="greedy")
-    committed, steps, t0 = 0, 0, time.perf_counter()
-    for prompt in prompts:
-        room = target.max_length - len(prompt)
-        if room < 1:
-            continue
-        cfg = GenerationConfig(
-            max_new_tokens=min(max_new_tokens, room), block_size=block_size, stop_ids=target.stop_ids
-        )
-        res = generate(target, prompt, proposer, cfg)
-        committed += sum(res.acceptance_lengths)
-        steps += len(res.acceptance_lengths)
+    out, all_c, all_s, t0 = {}, 0, 0, time.perf_counter()
+    for name, group in sets.items():
+        committed = steps = 0
+        for prompt in group:
+            room = target.max_length - len(prompt)
+            if room < 1:
+                continue
+            cfg = GenerationConfig(
+                max_new_tokens=min(max_new_tokens, room), block_size=block_size, stop_ids=target.stop_ids
+            )
+            res = generate(target, prompt, proposer, cfg)
+            committed += sum(res.acceptance_lengths)
+            steps += len(res.acceptance_lengths)
+        out[f"tau/{name}"] = committed / steps if steps else float("nan")
+        all_c, all_s = all_c + committed, all_s + steps
     return {
-        "tau": committed / steps if steps else float("nan"),
-        "eval_tokens": committed,
+        "tau": all_c / all_s if all_s else float("nan"),
+        **(out if len(sets) > 1 else {}),
+        "eval_tokens": all_c,
         "eval_s": round(time.perf_counter() - t0, 3),
     }
 
@@ -662,6 +817,7 @@ def plot_metrics(metrics: list[dict], path: Path) -> None:
 
     loss = [(m["step"], m["loss"]) for m in metrics if m.get("loss") is not None]
     tau = [(m["step"], m["tau"]) for m in metrics if m.get("tau") is not None]
+    names = sorted({k for m in metrics for k in m if k.startswith("tau/")})
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     if loss:
         ax1.plot(*zip(*loss, strict=True), lw=1)
@@ -669,7 +825,12 @@ def plot_metrics(metrics: list[dict], path: Path) -> None:
     if loss and min(v for _, v in loss) > 0:
         ax1.set_yscale("log")
     if tau:
-        ax2.plot(*zip(*tau, strict=True), marker="o")
+        ax2.plot(*zip(*tau, strict=True), marker="o", label="all sets" if names else None, color="k")
+    for name in names:
+        series = [(m["step"], m[name]) for m in metrics if m.get(name) is not None]
+        ax2.plot(*zip(*series, strict=True), marker=".", label=name.removeprefix("tau/"))
+    if names:
+        ax2.legend(fontsize=8)
     ax2.set(xlabel="step", ylabel="tau (tokens per target forward)", title="held-out tau (greedy)")
     ax1.grid(alpha=0.3)
     ax2.grid(alpha=0.3)
@@ -891,7 +1052,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
     master = torch.float64 if dtype == torch.float64 else torch.float32
     use_autocast = cfg.autocast == "on" or (cfg.autocast == "auto" and device.type == "cuda")
     target = load_target(cfg.target, dtype, str(device))
-    seqs, eval_prompts, stats = prepare_data(cfg, target.vocab_size)
+    seqs, eval_prompts, stats = prepare_data(cfg, target.vocab_size, target.tokenizer)
     mask_id, note = (
         (cfg.mask_token_id, None) if cfg.mask_token_id is not None else target.default_mask_token_id()
     )
@@ -913,12 +1074,37 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
     random.seed(cfg.seed)
     draft = DFlashDraft(dcfg).to(device=device, dtype=master)
     draft.check_target(target)
-    target.select_layers(dcfg.target_layer_ids)
+    if cfg.init_from_target and ckpt is None:
+        _log(d, init_from_target(draft, target))
+    # With --distill the target's last layer (its final-normed output) is read too: the teacher.
+    feature_ids = list(dcfg.target_layer_ids) + ([target.num_layers - 1] if cfg.distill else [])
+    n_draft_feats = len(dcfg.target_layer_ids) * target.hidden_size
+    target.select_layers(feature_ids)
     if d.enabled:
         shard(draft, device, d)
     draft.train()
     optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    head = FrozenHead(target.lm_head, None if use_autocast else master)
+    rows = None
+    if cfg.head_vocab:
+        rows, coverage = head_rows(seqs, cfg.head_vocab, target.vocab_size)
+        _log(d, f"loss over the {rows.numel()} most frequent response tokens: {100 * coverage:.2f}% of them")
+        rows = rows.to(device)
+    head = FrozenHead(target.lm_head, None if use_autocast else master, rows)
+    feature_cache: dict[int, torch.Tensor] = {}
+
+    def batch_features(part: list[int], batch: Batch) -> torch.Tensor:
+        """Target features of a micro-batch: computed, or (--cache-features) assembled from memory."""
+        target.select_layers(feature_ids)  # evaluation points the hooks at the draft's layers only
+        if not cfg.cache_features or any(i not in feature_cache for i in part):
+            feats = target_features(target, batch)
+            if cfg.cache_features:
+                for row, i in enumerate(part):
+                    feature_cache[i] = feats[row, : seqs[i].ids.numel()].clone()
+            return feats
+        feats = torch.zeros(*batch.ids.shape, len(feature_ids) * target.hidden_size, dtype=target.dtype)
+        for row, i in enumerate(part):
+            feats[row, : seqs[i].ids.numel()] = feature_cache[i]
+        return feats.to(device)
 
     lengths = [s.ids.numel() for s in seqs]
     per_epoch = [len(epoch_batches(lengths, cfg.batch_tokens, cfg.seed, e)) for e in range(cfg.epochs)]
@@ -992,7 +1178,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
         if res:
             last = {"step": 0, "epoch": 0, **res}
             log_metrics(last)
-            _log(d, f"step 0: tau {res['tau']:.3f} on {len(eval_prompts)} held-out prompts")
+            _log(d, f"step 0: tau {res['tau']:.3f} on {stats['eval_prompts']} held-out prompts")
     bar = tqdm(
         total=total,
         initial=start,
@@ -1003,7 +1189,25 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
     )
     epoch, plan, first_in_epoch = -1, [], 0
     blocks_done, busy_s = 0, 0.0
+    j = 0
+    deadline = None if cfg.max_minutes is None else time.perf_counter() + 60 * cfg.max_minutes
     for step in range(start, total):
+        if deadline is not None and time.perf_counter() > deadline:
+            _log(d, f"--max-minutes {cfg.max_minutes} reached at step {step}/{total}: stopping")
+            if step > start and (last_ckpt is None or not str(last_ckpt).endswith(f"step-{step}")):
+                last_ckpt = (
+                    save_checkpoint(
+                        out,
+                        step,
+                        draft,
+                        optimizer,
+                        d,
+                        ckpt_state_now(step, epoch, j + 1, last),
+                        cfg.keep_checkpoints,
+                    )
+                    or last_ckpt
+                )
+            break
         while epoch < 0 or step >= first_in_epoch + len(plan):
             if epoch >= 0:
                 first_in_epoch += len(plan)
@@ -1048,7 +1252,11 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
                 mask_id,
                 gamma,
             ).to(device)
-            wce, _ = batch_loss(draft, target, head, batch, master, use_autocast)
+            feats = batch_features(part, batch)
+            teacher = feats[..., n_draft_feats:] if cfg.distill else None
+            wce, _ = batch_loss(
+                draft, target, head, batch, master, use_autocast, feats[..., :n_draft_feats], teacher
+            )
             # FSDP averages gradients over ranks: scale by world so the result is sum(w*CE) / sum(w).
             (wce * (scale * d.world / total_w)).backward()
             wce_sum += wce.detach().double() * scale
@@ -1124,7 +1332,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
         losses = [m["loss"] for m in rows if m.get("loss") is not None]
         taus = [(m["step"], m["tau"]) for m in rows if m.get("tau") is not None]
         summary = {
-            "steps": total,
+            "steps": last.get("step", total),
             "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
             "tau": taus,
@@ -1205,7 +1413,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eval-data",
         default=None,
-        help="JSONL with evaluation prompts (default: hold out the last --eval-prompts records of --data)",
+        help="comma-separated evaluation sets: datagen files or data set names such as "
+        "gsm-symbolic-eval,humaneval (tau per set); default: hold out the last --eval-prompts records of --data",
     )
     p.add_argument(
         "--eval-prompts", type=int, default=d.eval_prompts, help="held-out prompts for tau; 0 = none"
@@ -1236,6 +1445,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-steps", type=int, default=None, help="stop (and end the schedule) after this many steps"
     )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop after this many minutes (checkpoint and draft saved; the schedule is cut, not shortened)",
+    )
     p.add_argument("--save-dtype", choices=list(DTYPES), default=d.save_dtype, help="dtype of OUT/draft")
+    p.add_argument(
+        "--distill",
+        action="store_true",
+        help="learn the target's whole next-token distribution (KL) instead of the data token (CE)",
+    )
+    p.add_argument(
+        "--head-vocab",
+        type=int,
+        default=d.head_vocab,
+        help="softmax over the N most frequent response tokens only (0: full vocabulary); the LM head "
+        "dominates a CPU step",
+    )
+    p.add_argument(
+        "--init-from-target", action="store_true", help="start the draft layers as the target's top layers"
+    )
+    p.add_argument(
+        "--cache-features",
+        action="store_true",
+        help="keep the target's features of every sequence in memory after their first use",
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

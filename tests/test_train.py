@@ -545,3 +545,106 @@ def test_cli_help_lists_the_issue_options():
     cfg = T.TrainConfig.from_args(text)
     assert cfg.data == ["a.jsonl", "b.jsonl"] and cfg.gamma is None and cfg.anchors == 512 and cfg.epochs == 6
     assert cfg.lr == 6e-4 and cfg.block_size == 16 and cfg.layers == 5 and cfg.max_len == 3072
+
+
+# -- sample-efficiency options: block layout, sub-vocabulary, distillation, init from target ------
+
+
+def test_block_layout_equals_dense_mask_on_a_padded_batch(tiny):
+    target, draft = tiny
+    g = torch.Generator().manual_seed(4)
+    seqs = [(torch.randint(4, VOCAB, (n,), generator=g), torch.arange(n) >= 5) for n in (27, 16)]
+    anchors = [torch.tensor([5, 6, 11, 20, 23]), torch.tensor([7, 9])]
+    fast = T.build_batch(seqs, anchors, B, MASK, 4.0)
+    dense = T.build_batch(seqs, anchors, B, MASK, 4.0)
+    dense.mask = T.build_mask(dense.anchors, dense.ids.shape[1], B)
+    with torch.no_grad():
+        a = T.draft_hidden(draft, target, fast, torch.float64)
+        b = T.draft_hidden(draft, target, dense, torch.float64)
+    real = fast.weights > 0
+    assert (a[real] - b[real]).abs().max() < 1e-10
+
+
+def test_sub_vocabulary_loss_and_rows():
+    seqs = [
+        T.Sequence("a", torch.tensor([9, 5, 5, 5, 7, 7, 1]), torch.tensor([0, 1, 1, 1, 1, 1, 1]).bool(), 1),
+        T.Sequence("b", torch.tensor([2, 7, 3]), torch.tensor([0, 1, 1]).bool(), 1),
+    ]
+    rows, cover = T.head_rows(seqs, 2, 12)
+    assert rows.tolist() == [5, 7] and cover == pytest.approx(6 / 8)  # 9 and 2 are prompt tokens
+    lm_head = torch.nn.Linear(8, 12, bias=False)
+    head = T.FrozenHead(lm_head, torch.float64, torch.tensor([1, 5, 7]))
+    h = torch.randn(4, 8, dtype=torch.float64)
+    assert torch.allclose(head(h), lm_head.double()(h)[:, [1, 5, 7]])
+    assert head.index[torch.tensor([5, 7, 1, 3])].tolist() == [1, 2, 0, -1]
+
+
+def test_sub_vocabulary_and_distillation_against_brute_force(tiny):
+    target, draft = tiny
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(4, VOCAB, (24,), generator=g)
+    seqs = [(ids, torch.arange(24) >= 6)]
+    anchors = [torch.tensor([6, 9, 14, 20])]
+    batch = T.build_batch(seqs, anchors, B, MASK, 4.0)
+    rows = torch.arange(0, VOCAB, 2)  # even ids only: odd labels must carry no loss
+    head = T.FrozenHead(target.lm_head, torch.float64, rows)
+    full = T.FrozenHead(target.lm_head, torch.float64)
+    target.select_layers(draft.config.target_layer_ids + [target.num_layers - 1])
+    feats = T.target_features(target, batch)
+    n = len(draft.config.target_layer_ids) * target.hidden_size
+    target.select_layers(draft.config.target_layer_ids)
+    with torch.no_grad():
+        hidden = T.draft_hidden(draft, target, batch, torch.float64, feats[..., :n])[0]
+        sub_ce, sub_w = T.batch_loss(draft, target, head, batch, torch.float64, features=feats[..., :n])
+        kl, kl_w = T.batch_loss(
+            draft, target, full, batch, torch.float64, features=feats[..., :n], teacher=feats[..., n:]
+        )
+    teacher_all = target.model(ids[None]).logits[0].double()  # the target's own next-token logits
+    ref_ce = ref_w = ref_kl = ref_kw = 0.0
+    for b, a in enumerate(anchors[0].tolist()):
+        for k in range(1, B):
+            w = float(batch.weights[0, b * B + k])
+            if w == 0:
+                continue
+            logits = draft.logits(hidden[b * B + k], target.lm_head).double()
+            label = int(ids[a + k])
+            if label % 2 == 0:
+                ref_ce += w * -torch.log_softmax(logits[rows], -1)[label // 2].item()
+                ref_w += w
+            p = torch.log_softmax(teacher_all[a + k - 1], -1)  # position a+k-1 predicts x[a+k]
+            ref_kl += w * (p.exp() * (p - torch.log_softmax(logits, -1))).sum().item()
+            ref_kw += w
+    assert sub_ce.item() == pytest.approx(ref_ce, rel=1e-9) and sub_w.item() == pytest.approx(ref_w)
+    assert kl.item() == pytest.approx(ref_kl, rel=1e-6) and kl_w.item() == pytest.approx(ref_kw)
+    assert T.block_loss(teacher_all[:3], None, torch.ones(3), teacher_all[:3])[0].abs() < 1e-12
+
+
+def test_init_from_target_copies_the_top_layers(tiny):
+    target, _ = tiny
+    model = target.model
+    draft = make_draft(model, layers=2, block_size=B, mask_token_id=MASK, target_layer_ids=[0, 1])
+    note = T.init_from_target(draft, target)
+    assert "target layers 2..3" in note
+    top = model.model.layers[2]
+    assert torch.equal(draft.layers[0].self_attn.q_proj.weight, top.self_attn.q_proj.weight)
+    assert torch.equal(draft.layers[1].mlp.down_proj.weight, model.model.layers[3].mlp.down_proj.weight)
+    assert torch.equal(draft.norm.weight, model.model.norm.weight)
+    h = target.hidden_size
+    assert torch.equal(draft.fc.weight[:, h:], torch.eye(h, dtype=torch.float64))  # layer 1 feeds layer 2
+    assert not draft.fc.weight[:, :h].any()
+
+
+def test_run_with_all_sample_efficiency_options(files, tmp_path):
+    summary = T.train(
+        config(
+            files,
+            tmp_path / "run",
+            distill=True,
+            head_vocab=40,
+            init_from_target=True,
+            cache_features=True,
+            epochs=4,
+        )
+    )
+    assert summary["last_loss"] < summary["first_loss"]
+    DFlashDraft.from_pretrained(tmp_path / "run" / "draft")

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Turn GPU minutes into a better shipped draft, from local files only (a GPU box may have no network).
+#
+#   scripts/gpu_train.sh TARGET OUT [MINUTES]
+#
+# TARGET: a .gguf file or HF model directory carried to the box (the SmolLM2 GGUF travels in two
+# parts: `cat part1 part2 > smollm2.gguf`). Steps, each resumable (rerun the same command):
+#   1. datagen: the target answers data/prompts-train.jsonl (exported on a CPU machine with
+#      `python scripts/export_prompts.py`, so reasoning-gym / sharegpt need not be installed here),
+#      greedy, bf16, large batches;
+#   2. training: the recipe of checkpoints/smollm2-135m-instruct-dflash/MODEL_CARD.md on that data
+#      plus the committed data/*.npz, stopped after MINUTES (default 8) of optimizer steps.
+# Without CUDA it runs the same steps on the CPU (slowly): set DEVICE=cpu and small LIMIT/STEPS to try it.
+set -euo pipefail
+TARGET=${1:?usage: scripts/gpu_train.sh TARGET OUT [MINUTES]}
+OUT=${2:?usage: scripts/gpu_train.sh TARGET OUT [MINUTES]}
+MINUTES=${3:-8}
+DEVICE=${DEVICE:-cuda}
+LIMIT=${LIMIT:-}          # at most this many prompts per prompt file (empty: all)
+BATCH=${BATCH:-256}
+STEPS=${STEPS:-100000}    # upper bound; the time limit usually ends the run first
+PY=${PY:-python}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+
+$PY -m flashdraft datagen --target "$TARGET" --dataset data/prompts-train.jsonl --device "$DEVICE" \
+    --dtype auto --batch-size "$BATCH" --max-new-tokens 384 ${LIMIT:+--limit "$LIMIT"} \
+    --out "$OUT/gpu-data.jsonl" --no-progress
+
+DATA="$OUT/gpu-data.jsonl"
+for f in data/smollm2-135m-instruct/*.npz; do DATA="$DATA,$f"; done
+
+$PY -m flashdraft train --target "$TARGET" --data "$DATA" \
+    --out "$OUT/run" --device "$DEVICE" --layers 2 --block-size 16 --init-from-target --distill \
+    --cache-features --lr 6e-4 --epochs 50 --max-steps "$STEPS" --batch-tokens 65536 --micro-batch 8 \
+    --eval-data data/prompts-eval-gsm.jsonl --eval-prompts 4 --max-minutes "$MINUTES" --mask-token-id 16 --no-progress \
+    ${RESUME:+--resume}
+ls -la "$OUT/run" "$OUT/run/checkpoints" 2>/dev/null || true
