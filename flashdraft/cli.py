@@ -1,4 +1,4 @@
-"""Command line: `flashdraft generate | init-draft | models | datagen | train`."""
+"""Command line: `flashdraft generate | init-draft | models | datagen | train | serve | bench`."""
 
 from __future__ import annotations
 
@@ -160,9 +160,24 @@ def cmd_datagen(args) -> int:
         endpoint=args.endpoint,
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
         progress=not args.no_progress,
     )
     print(run_datagen(cfg).line())
+    return 0
+
+
+def cmd_pack_data(args) -> int:
+    from .datagen import DataGenError, pack
+
+    try:
+        info = pack(args.sources, args.out)
+    except DataGenError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(
+        f"packed {info['records']} records ({info['tokens']} tokens, {info['response_tokens']} response) "
+        f"into {args.out}: {info['bytes']} bytes"
+    )
     return 0
 
 
@@ -171,6 +186,12 @@ def cmd_train(args) -> int:
 
     train(TrainConfig.from_args(args))
     return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import main_from_args
+
+    return main_from_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,8 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: bf16 where the hardware has it, else float32",
     )
+    d.add_argument("--device", default="cpu", help="cpu or cuda (local target)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_datagen)
+
+    pk = sub.add_parser("pack-data", help="pack datagen JSONL files into one compressed .npz of token ids")
+    pk.add_argument("sources", nargs="+", help="datagen JSONL files")
+    pk.add_argument("--out", required=True, help="the .npz to write (train --data reads it)")
+    pk.set_defaults(func=cmd_pack_data)
 
     from .train import add_arguments as add_train_arguments
 
@@ -277,6 +304,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_arguments(t)
     t.set_defaults(func=cmd_train)
+
+    from .bench import add_arguments as add_bench_arguments
+
+    b = sub.add_parser(
+        "bench", help="benchmark plain, n-gram, DFlash, the reference loop and transformers on data sets"
+    )
+    add_bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
+
+    from .serve import add_arguments as add_serve_arguments
+    from .serve import cmd_serve
+
+    s = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with batched speculative decoding (loopback by default)"
+    )
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 

@@ -153,12 +153,36 @@ class Target:
 
     # -- forward and cache -----------------------------------------------------------------
 
-    def new_cache(self):
+    def new_cache(self, sliding: bool = True):
+        """A KV cache for `forward`. `sliding=False` keeps every entry on every layer: batched decoding
+        needs that, since its slots are not positions (it applies windows by position in its masks)."""
         from transformers import DynamicCache
 
+        if not sliding:
+            return DynamicCache()
         cache = DynamicCache(config=self.model.config)
         cache.activate_past_recording()  # sliding-window layers keep what a crop may need
         return cache
+
+    def attention_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """Additive 4D attention masks for caches whose slots are not in position order (batched decoding).
+
+        q_pos (B, Q) are the positions of the new tokens, k_pos (B, S) those of every cache slot (the new
+        tokens' slots included). Query i of row b sees slot j iff k_pos[b, j] <= q_pos[b, i] and, on
+        sliding-window layers, q_pos - k_pos < window: the window counts positions, not slots. A slot
+        that holds nothing for a row gets a position larger than any query. Returns one (B, 1, Q, S)
+        tensor, or a {layer type: mask} dict for models with both full and sliding layers (Gemma3).
+        """
+        diff = q_pos[:, None, :, None] - k_pos[:, None, None, :]
+        low = torch.finfo(self.dtype).min
+        zero = torch.zeros((), dtype=self.dtype, device=diff.device)
+        full = torch.where(diff >= 0, zero, low)
+        window = getattr(self.config, "sliding_window", None)
+        types = getattr(self.config, "layer_types", None)
+        if not window or (types and "sliding_attention" not in types):
+            return full
+        sliding = torch.where((diff >= 0) & (diff < window), zero, low)
+        return {"full_attention": full, "sliding_attention": sliding} if types else sliding
 
     def forward(
         self,
@@ -167,16 +191,19 @@ class Target:
         cache,
         logits_to_keep: int = 0,
         features: bool = False,
+        attention_mask=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T or logits_to_keep, V) and, if asked, the concatenated selected-layer features
-        (B, T, n*H) of the new tokens."""
+        (B, T, n*H) of the new tokens. `attention_mask`: None (causal) or what `attention_mask()` gives."""
         self._capturing = features
+        mask = {} if attention_mask is None else {"attention_mask": attention_mask}
         try:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=positions,
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
+                **mask,
                 **{self._cache_kw: cache},
             )
             feats = torch.cat([self._captured[i] for i in self._layer_ids], dim=-1) if features else None

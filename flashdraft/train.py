@@ -93,7 +93,7 @@ class TrainConfig:
     device: str = "auto"
     mask_token_id: int | None = None
     max_steps: int | None = None
-    max_minutes: float | None = None  # stop (saving the draft) after this much training time
+    max_minutes: float | None = None  # train this long (evaluations excluded); the LR schedule follows time
     save_dtype: str = "bfloat16"  # dtype of the final draft in OUT/draft
     # Sample efficiency (docs/training.md, "Choices"): what the draft learns from and starts from.
     distill: bool = False  # KL to the target's own next-token distribution instead of CE on the data token
@@ -1140,7 +1140,8 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
         d,
         f"draft: {dcfg.num_hidden_layers} layers, block {cfg.block_size}, gamma {gamma}, target layers "
         f"{dcfg.target_layer_ids}, mask {mask_id}, {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M "
-        f"parameters; {total} steps ({', '.join(map(str, per_epoch))} per epoch), world {d.world}, "
+        f"parameters; {total} steps ({', '.join(map(str, per_epoch[:4]))}{', ...' if len(per_epoch) > 4 else ''} "
+        f"per epoch), world {d.world}, "
         f"device {device}, autocast {'bf16' if use_autocast else 'off'}",
     )
 
@@ -1190,10 +1191,15 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
     epoch, plan, first_in_epoch = -1, [], 0
     blocks_done, busy_s = 0, 0.0
     j = 0
-    deadline = None if cfg.max_minutes is None else time.perf_counter() + 60 * cfg.max_minutes
+    budget = None if cfg.max_minutes is None else 60 * cfg.max_minutes  # seconds of optimizer steps
     for step in range(start, total):
-        if deadline is not None and time.perf_counter() > deadline:
+        if budget is not None and busy_s > budget:
             _log(d, f"--max-minutes {cfg.max_minutes} reached at step {step}/{total}: stopping")
+            if evaluating and "tau" not in last:
+                res = run_eval(step)
+                if res:
+                    last.update(res)
+                    log_metrics({"step": step, "epoch": epoch, **res})
             if step > start and (last_ckpt is None or not str(last_ckpt).endswith(f"step-{step}")):
                 last_ckpt = (
                     save_checkpoint(
@@ -1215,7 +1221,9 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
             plan = epoch_batches(lengths, cfg.batch_tokens, cfg.seed, epoch)
         j = step - first_in_epoch
         t0 = time.perf_counter()
-        lr = lr_at(step, total, cfg.lr, cfg.warmup)
+        # With --max-minutes the schedule runs on time: it ends where the budget does.
+        at = step if budget is None else max(step, int(total * busy_s / budget))
+        lr = lr_at(at, total, cfg.lr, cfg.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
@@ -1348,7 +1356,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
         tau_txt = " -> ".join(f"{t:.3f}" for _, t in taus) if taus else "not evaluated"
         _log(
             d,
-            f"done: {total} steps, loss {summary['first_loss']} -> {summary['last_loss']}, tau {tau_txt}, "
+            f"done: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['last_loss']}, tau {tau_txt}, "
             f"{summary['blocks_per_s']} blocks/s, {summary['wall_s']} s; draft in {out / 'draft'}",
         )
     barrier(d)
@@ -1449,7 +1457,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-minutes",
         type=float,
         default=None,
-        help="stop after this many minutes (checkpoint and draft saved; the schedule is cut, not shortened)",
+        help="train for this many minutes (evaluations excluded), then save; warmup and cosine decay follow "
+        "the elapsed share of this budget instead of the step count",
     )
     p.add_argument("--save-dtype", choices=list(DTYPES), default=d.save_dtype, help="dtype of OUT/draft")
     p.add_argument(

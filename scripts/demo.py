@@ -2,70 +2,84 @@
 
 Uses the shipped draft under checkpoints/ when there is one; otherwise it makes a random draft
 (which accepts almost nothing: the point is then the loop, and that output equals plain decoding).
+Each prompt is answered twice, plain then DFlash, both streamed; the speedup is the ratio of decode
+times per token (prefill excluded, as in the paper), summed over all prompts.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, generate, load_target
+from flashdraft.cli import _TextStream
 from flashdraft.draft import init_draft_config
 
 TARGET = "smollm2-135m-instruct"
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dflash"
 PROMPTS = [
-    "What is the capital of France?",
+    "A shop sells pens at 3 dollars each. Tom buys 7 pens and pays with a 50 dollar bill. How much change "
+    "does he get?\n\nPlease reason step by step, and put your final answer within \\boxed{}.",
     "Write a Python function that returns the n-th Fibonacci number.",
-    "A shop sells pens at 3 dollars each. Tom buys 7 pens and pays with a 50 dollar bill. How much change?",
+    "What is the capital of France?",
 ]
+# On CPUs a verify forward costs more per token than on GPUs (float32 here: 16 tokens ~1.7 single steps),
+# so a shorter block than the draft's 16 wins when tau is modest: the MODEL_CARD's cost table.
+CPU_BLOCK_SIZE = 8
 
 
-def main():
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--draft", type=Path, default=SHIPPED)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"verify blocks of this size (default {CPU_BLOCK_SIZE}; the draft's own size is its maximum)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    args = p.parse_args()
     torch.manual_seed(0)
     print(f"loading {TARGET} (converted from its GGUF on first use) ...", flush=True)
     target = load_target(TARGET)  # bf16 where the CPU has it, else float32
-    if (SHIPPED / "config.json").is_file():
-        draft, which = (
-            DFlashDraft.from_pretrained(SHIPPED, dtype=target.dtype),
-            f"shipped draft {SHIPPED.name}",
-        )
+    if (args.draft / "config.json").is_file():
+        draft, which = DFlashDraft.from_pretrained(args.draft, dtype=target.dtype), f"draft {args.draft}"
     else:
         cfg = init_draft_config(target.model.config, 2, mask_token_id=16, block_size=16)
-        draft, which = (
-            DFlashDraft(cfg).to(target.dtype),
-            "RANDOM draft (no shipped draft yet: expect tau ~1)",
-        )
+        draft, which = DFlashDraft(cfg).to(target.dtype), "RANDOM draft (no shipped draft: expect tau ~1)"
+    block = min(args.block_size or CPU_BLOCK_SIZE, draft.config.block_size)
     proposer = DFlashProposer(draft, target)
-    print(f"draft: {which}\n")
+    print(
+        f"{which}; {target.dtype} on {torch.get_num_threads()} threads; DFlash verifies blocks of {block}\n"
+    )
     tok = target.tokenizer
     totals = {"plain": [0, 0.0], "dflash": [0, 0.0]}
     for text in PROMPTS:
         ids = tok.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        run = GenerationConfig(max_new_tokens=96, stop_ids=target.stop_ids)
-        plain = generate(target, ids, None, run)
-        spec = generate(target, ids, proposer, run)
-        for name, r in (("plain", plain), ("dflash", spec)):
+        print(f"> {text}")
+        results = {}
+        for name, prop in (("plain", None), ("dflash", proposer)):
+            print(f"[{name}] ", end="", flush=True)
+            run = GenerationConfig(
+                max_new_tokens=args.max_new_tokens, block_size=block, stop_ids=target.stop_ids
+            )
+            r = results[name] = generate(target, ids, prop, run, on_tokens=_TextStream(tok, sys.stdout))
             totals[name][0] += len(r.tokens)
             totals[name][1] += r.decode_s
-        print(f"> {text}\n{tok.decode(spec.tokens, skip_special_tokens=True).strip()}")
-        diff = next(
-            (i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens, strict=False)) if a != b), None
-        )
-        agree = (
-            "same tokens as plain"
-            if diff is None and len(plain.tokens) == len(spec.tokens)
-            else (f"bf16 rounding: first differs from plain at token {diff} (README, 'Lossless')")
-        )
+            print()
+        plain, spec = results["plain"], results["dflash"]
+        same = plain.tokens == spec.tokens
         print(
             f"[plain {plain.tokens_per_s:.1f} tok/s | dflash {spec.tokens_per_s:.1f} tok/s, tau {spec.tau:.2f} | "
-            f"{agree}]\n"
+            f"{'same tokens as plain' if same else 'differs from plain (README, Lossless: dtype rounding)'}]\n"
         )
     (n_p, t_p), (n_d, t_d) = totals["plain"], totals["dflash"]
     print(
-        f"overall: plain {n_p / t_p:.1f} tok/s, dflash {n_d / t_d:.1f} tok/s, speedup {(n_d / t_d) / (n_p / t_p):.2f}x"
+        f"overall: plain {n_p / t_p:.1f} tok/s, dflash {n_d / t_d:.1f} tok/s, "
+        f"measured speedup {(n_d / t_d) / (n_p / t_p):.2f}x"
     )
     return 0
 

@@ -1,0 +1,158 @@
+"""Throughput of batched DFlash against plain batched decoding, per batch size (issue 7).
+
+Like the paper's concurrency table: the same chat prompts go through `flashdraft.batch.BatchDecoder`
+at each batch size, with continuous batching (a finished row's slot goes to the next prompt), once
+with plain decoding and once with the DFlash draft at each block size. Throughput is generated
+tokens over wall time, prefills included. Verification stops being free as batches grow, so a
+smaller block can win at larger batches: pass several --block-sizes to measure that.
+
+    python scripts/bench_batch.py --target smollm2-135m-instruct \
+        --draft checkpoints/smollm2-135m-instruct-dflash --batch-sizes 1,4,8,16 --block-sizes 16,8 \
+        --prompts 32 --max-new-tokens 128 --out batch.json
+
+Run it on an otherwise idle machine; numbers from a busy one say little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from flashdraft import DFlashDraft, GenerationConfig, SamplingConfig, load_target
+from flashdraft.batch import BatchDecoder
+from flashdraft.data import load_dataset
+
+
+def ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def chat_prompts(target, dataset: str, n: int) -> list[list[int]]:
+    tok = target.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise SystemExit(f"{dataset}: the target has no tokenizer with a chat template; pass a chat model")
+    examples = load_dataset(dataset, limit=n)
+    if len(examples) < n:
+        raise SystemExit(f"{dataset} has {len(examples)} prompts, fewer than --prompts {n}")
+    return [
+        tok.apply_chat_template(ex.messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
+        for ex in examples
+    ]
+
+
+def run(target, draft, block_size, batch_size, prompts, config) -> dict:
+    """All prompts through one decoder with at most batch_size rows; throughput and acceptance."""
+    dec = BatchDecoder(target, draft, block_size, max_batch_size=batch_size)
+    out: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        dec.add(str(i), ids, config)
+    while dec.pending():
+        for o in dec.step():
+            out.setdefault(o.request_id, []).extend(o.tokens)
+    wall = time.perf_counter() - start
+    tokens = sum(len(t) for t in out.values())
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "tau": dec.stats["tau"],
+        "target_forwards": dec.stats["forwards"] + dec.stats["prefills"],
+        "outputs": [out[str(i)] for i in range(len(prompts))],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="built-in name or local HF directory")
+    ap.add_argument("--draft", required=True, help="DFlash draft directory")
+    ap.add_argument("--batch-sizes", type=ints, default=[1, 4, 8, 16])
+    ap.add_argument("--block-sizes", type=ints, default=None, help="default: the draft's own block size")
+    ap.add_argument("--dataset", default="mt-bench", help="built-in data set of chat prompts")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per run (>= the largest batch size)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.prompts < max(args.batch_sizes):
+        ap.error(
+            f"--prompts ({args.prompts}) must be at least the largest batch size ({max(args.batch_sizes)})"
+        )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target = load_target(args.target, dtype=args.dtype)
+    draft = DFlashDraft.from_pretrained(args.draft, dtype=target.dtype, device=target.device)
+    blocks = args.block_sizes or [draft.config.block_size]
+    prompts = chat_prompts(target, args.dataset, args.prompts)
+    sampling = SamplingConfig(args.temperature)
+    config = GenerationConfig(args.max_new_tokens, sampling=sampling, stop_ids=target.stop_ids, seed=0)
+    print(
+        f"target {args.target} ({target.dtype}), draft {args.draft}, {len(prompts)} {args.dataset} prompts, "
+        f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
+    run(target, draft, blocks[0], 2, prompts[:2], GenerationConfig(8, stop_ids=target.stop_ids))  # warm-up
+
+    rows = []
+    for bs in args.batch_sizes:
+        plain = run(target, None, None, bs, prompts, config)
+        row = {"batch_size": bs, "plain": {k: v for k, v in plain.items() if k != "outputs"}, "dflash": {}}
+        for block in blocks:
+            spec = run(target, draft, block, bs, prompts, config)
+            same = sum(a == b for a, b in zip(spec.pop("outputs"), plain["outputs"], strict=True))
+            spec["speedup"] = spec["tokens_per_s"] / plain["tokens_per_s"]
+            spec["rows_identical_to_plain"] = same
+            row["dflash"][str(block)] = spec
+            print(
+                f"batch {bs:>3}  plain {plain['tokens_per_s']:8.1f} tok/s  DFlash B={block:<2} "
+                f"{spec['tokens_per_s']:8.1f} tok/s  x{spec['speedup']:.2f}  tau {spec['tau']:.2f}  "
+                f"same output {same}/{len(prompts)}",
+                flush=True,
+            )
+        rows.append(row)
+
+    head = "| batch | plain tok/s | " + " | ".join(f"DFlash B={b} tok/s (tau) | speedup" for b in blocks)
+    print("\n" + head + " | best |")
+    print("|" + "---|" * (3 + 2 * len(blocks)))
+    for row in rows:
+        cells = [str(row["batch_size"]), f"{row['plain']['tokens_per_s']:.1f}"]
+        for b in blocks:
+            d = row["dflash"][str(b)]
+            cells += [f"{d['tokens_per_s']:.1f} ({d['tau']:.2f})", f"{d['speedup']:.2f}x"]
+        best = max(blocks, key=lambda b: row["dflash"][str(b)]["tokens_per_s"])
+        row["best"] = f"DFlash B={best}" if row["dflash"][str(best)]["speedup"] > 1 else "plain"
+        print("| " + " | ".join(cells) + f" | {row['best']} |")
+
+    if args.out:
+        result = {
+            "settings": {
+                k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"
+            },
+            "block_sizes": blocks,
+            "dtype": str(target.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "machine": {"platform": platform.platform(), "processor": platform.processor()},
+            "torch": torch.__version__,
+            "results": rows,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

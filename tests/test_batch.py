@@ -1,0 +1,406 @@
+"""Batched decoding (flashdraft.batch): every row must come out exactly as batch-1 decoding would give it.
+
+Greedy, in float64: each row's tokens equal plain `decode.generate` for that row alone, with rows of
+mixed prompt lengths, lengths and stop tokens, joining and leaving the batch at different steps;
+with a random DFlash draft each row's acceptance lengths also equal batch-1 DFlash (so the draft's
+batched context cache is right, not merely harmless). Sampling: the joint distribution of the first
+3 tokens of many rows, sampled in batches, passes a chi-square test against exact enumeration.
+"""
+
+import collections
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import ARCHS, make_draft, make_hf_model
+from scipy.stats import chisquare
+
+import flashdraft.batch as batch
+from flashdraft import DFlashProposer, GenerationConfig, NgramProposer, SamplingConfig, Target, generate
+from flashdraft.batch import DEAD, BatchDecoder, BatchProposer, PerRowProposer, generate_batch
+from flashdraft.sampling import probs, sample
+
+
+class BatchOracle(BatchProposer):
+    """Proposes each row's true greedy continuation, corrupted at random places and sometimes cut
+    short, so that full, partial and zero acceptance and uneven block lengths all occur."""
+
+    def __init__(self, truths: dict[str, list[int]], vocab: int, rng: random.Random):
+        self.truths, self.vocab, self.rng = truths, vocab, rng
+
+    def propose(self, rows, ks):
+        out = []
+        for row, k in zip(rows, ks, strict=True):
+            if k == 0:
+                out.append((torch.zeros(0, dtype=torch.long), None))
+                continue
+            done = len(row.tokens)
+            guess = self.truths[row.request_id][done : done + k]
+            guess += [self.rng.randrange(self.vocab) for _ in range(k - len(guess))]
+            mode = self.rng.random()
+            if mode < 0.3:
+                pass  # fully correct
+            elif mode < 0.7:
+                i = self.rng.randrange(k)
+                guess[i] = (guess[i] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            elif mode < 0.85:
+                guess[0] = (guess[0] + 1) % self.vocab
+            else:
+                guess = guess[: self.rng.randrange(k + 1)]  # fewer than asked, maybe none
+            out.append((torch.tensor(guess, dtype=torch.long), None))
+        return out
+
+
+class RecordingDFlash(DFlashProposer):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.drafted = []
+
+    def propose(self, tokens, k, sampling, generator=None):
+        d, q = super().propose(tokens, k, sampling, generator)
+        self.drafted.append(d[0].tolist())
+        return d, q
+
+
+class RecordingBatchDFlash(batch.BatchDFlashProposer):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.drafted = collections.defaultdict(list)
+
+    def propose(self, rows, ks):
+        out = super().propose(rows, ks)
+        for row, (d, _) in zip(rows, out, strict=True):
+            if len(d):
+                self.drafted[row.request_id].append(d.tolist())
+        return out
+
+
+def check_caches(dec: BatchDecoder) -> None:
+    """Every running row's live target slots hold exactly positions 0..anchor-1, once each; the draft's
+    live slots plus its pending context cover the same positions."""
+    assert dec.kpos.shape[0] == len(dec.rows)
+    if dec.rows:
+        assert dec.cache.layers[0].keys.shape[:3:2] == dec.kpos.shape
+    for b, row in enumerate(dec.rows):
+        live = sorted(p for p in dec.kpos[b].tolist() if p != DEAD)
+        assert live == list(range(row.anchor)), (row.request_id, live, row.anchor)
+    prop = dec.proposer
+    if isinstance(prop, batch.BatchDFlashProposer):
+        assert prop.kpos.shape[0] == len(prop.pending) == len(dec.rows)
+        for b, row in enumerate(dec.rows):
+            start, feats = prop.pending[b]
+            live = sorted(p for p in prop.kpos[b].tolist() if p != DEAD)
+            assert live + list(range(start, start + len(feats))) == list(range(row.anchor))
+
+
+def plain_greedy(truth: list[int], cfg: GenerationConfig) -> list[int]:
+    """What batch-1 plain greedy decoding gives under cfg, from its unlimited continuation `truth`."""
+    out = truth[: cfg.max_new_tokens]
+    stops = [i for i, t in enumerate(out) if t in cfg.stop_ids]
+    return out[: stops[0] + 1] if stops else out
+
+
+def run_decoder(dec: BatchDecoder, prompts, configs) -> dict[str, dict]:
+    """Add everything, step to the end while checking the caches; what each request streamed."""
+    for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
+        dec.add(str(i), p, c)
+    seen = {str(i): {"tokens": [], "finished": None, "accepted": []} for i in range(len(prompts))}
+    while dec.pending():
+        assert len(dec.rows) <= dec.max_batch_size
+        for o in dec.step():
+            s = seen[o.request_id]
+            assert s["finished"] is None, "output after the request finished"
+            s["tokens"] += o.tokens
+            s["finished"] = o.finished
+            if o.accepted is not None:
+                s["accepted"].append(o.accepted)
+        check_caches(dec)
+    return seen
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+def test_greedy_batch_equals_single_row(arch_name):
+    model = make_hf_model(arch_name)
+    target = Target(model)
+    vocab = model.config.vocab_size
+    draft = make_draft(model)
+    rng = random.Random(42)
+    stats = {"full": 0, "partial": 0, "zero": 0, "stop_inside_block": 0, "joined_later": 0}
+    for _ in range(4):
+        max_batch = rng.randint(2, 8)
+        n = max_batch + rng.randint(0, 4)  # more prompts than slots: rows join as others finish
+        block = rng.choice([2, 4, 16])
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in range(n)]
+        truths = {
+            str(i): generate(target, p, None, GenerationConfig(21)).tokens for i, p in enumerate(prompts)
+        }
+        configs = []
+        for i in range(n):
+            new = rng.randint(1, 20)
+            stop = [truths[str(i)][rng.randint(0, new)]] if rng.random() < 0.5 else []
+            row_block = rng.choice([None, None, 1, 3])  # a row may draft less than the decoder's block
+            configs.append(GenerationConfig(new, row_block, stop_ids=stop))
+        expected = [plain_greedy(truths[str(i)], c) for i, c in enumerate(configs)]
+        # Batch-1 DFlash, with every block it drafts: the batched draft must draft the same ones.
+        dflash_1, drafted_1 = [], []
+        for p, c in zip(prompts, configs, strict=True):
+            single = RecordingDFlash(draft, target)
+            cfg = GenerationConfig(c.max_new_tokens, c.block_size or block, stop_ids=c.stop_ids)
+            dflash_1.append(generate(target, p, single, cfg))
+            drafted_1.append(single.drafted)
+        dflash = RecordingBatchDFlash(draft, target)
+        oracle = BatchOracle(truths, vocab, rng)
+        for name, kw in [("plain", {}), ("dflash", {"proposer": dflash}), ("oracle", {"proposer": oracle})]:
+            dec = BatchDecoder(
+                target, block_size=None if name == "plain" else block, max_batch_size=max_batch, **kw
+            )
+            seen = run_decoder(dec, prompts, configs)
+            for i in range(n):
+                s, want = seen[str(i)], expected[i]
+                assert s["tokens"] == want, (arch_name, name, i)
+                assert s["finished"] == ("stop" if want[-1] in configs[i].stop_ids else "length")
+                assert sum(s["accepted"]) == len(want) - 1
+                if name == "plain":
+                    assert set(s["accepted"]) <= {1}
+                if name == "dflash":
+                    assert s["accepted"] == dflash_1[i].acceptance_lengths, (arch_name, i)
+                    assert dflash.drafted[str(i)] == drafted_1[i], (arch_name, i)
+                if name == "oracle":
+                    b = configs[i].block_size or block
+                    assert all(1 <= a <= b for a in s["accepted"])
+                    for a in s["accepted"][:-1]:
+                        stats["full" if a == b else "partial" if a > 1 else "zero"] += 1
+                    if s["finished"] == "stop" and s["accepted"] and s["accepted"][-1] > 1:
+                        stats["stop_inside_block"] += 1
+            stats["joined_later"] += dec.stats["prefills"] > 1
+            assert dec.stats["committed"] == sum(len(t) - 1 for t in expected)
+    assert min(stats.values()) > 0, stats
+
+
+def test_generate_batch_results_and_ngram(tiny_llama):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(2, 6))] * 3 for _ in range(5)]
+    cfg = GenerationConfig(24)
+    plain = [generate(tiny_llama, p, None, cfg) for p in prompts]
+    res = generate_batch(
+        tiny_llama, prompts, config=cfg, proposer=PerRowProposer(NgramProposer()), max_batch_size=3
+    )
+    for r, want in zip(res, plain, strict=True):
+        assert r.tokens == want.tokens and r.stop_reason == "length"
+        assert len(r.acceptance_lengths) == len(r.step_s) == len(r.draft_s) == len(r.verify_s)
+        assert r.prefill_s > 0 and r.decode_s >= 0
+    assert sum(sum(a - 1 for a in r.acceptance_lengths) for r in res) > 0  # the n-gram drafts were used
+
+
+def test_join_midway_and_cancel(tiny_llama):
+    draft = make_draft(tiny_llama.model, block_size=4)
+    dec = BatchDecoder(tiny_llama, draft, max_batch_size=3)
+    prompts = {f"r{i}": [7 + i] * (2 + 3 * i) for i in range(6)}
+    want = {k: generate(tiny_llama, p, None, GenerationConfig(30)).tokens for k, p in prompts.items()}
+    got = {k: [] for k in prompts}
+    ended = {}
+
+    def step():
+        for o in dec.step():
+            got[o.request_id] += o.tokens
+            if o.finished:
+                ended[o.request_id] = o.finished
+        check_caches(dec)
+
+    for k in ("r0", "r1"):
+        dec.add(k, prompts[k], GenerationConfig(30))
+    assert dec.pending() == 2 and not dec.rows
+    step()  # prefill of r0, r1
+    assert [r.request_id for r in dec.rows] == ["r0", "r1"] and all(len(t) == 1 for t in got.values() if t)
+    step()
+    for k in ("r2", "r3", "r4"):  # r2 fills the third slot, r3 and r4 wait
+        dec.add(k, prompts[k], GenerationConfig(30))
+    step()
+    assert [r.request_id for r in dec.rows] == ["r0", "r1", "r2"] and dec.pending() == 5
+    dec.cancel("r1")  # running
+    dec.cancel("r4")  # waiting
+    dec.cancel("nobody")  # ignored
+    assert dec.pending() == 5  # cancels take effect at the next step
+    step()
+    assert ended == {"r1": "cancelled", "r4": "cancelled"}
+    assert [r.request_id for r in dec.rows] == ["r0", "r2", "r3"]  # r3 took r1's slot
+    with pytest.raises(ValueError, match="already in the batch"):
+        dec.add("r0", [1], GenerationConfig(4))
+    dec.add("r5", prompts["r5"], GenerationConfig(30))
+    while dec.pending():
+        step()
+    for k in ("r0", "r2", "r3", "r5"):
+        assert got[k] == want[k] and ended[k] == "length", k
+    assert want["r1"][: len(got["r1"])] == got["r1"] and got["r4"] == []
+    assert dec.cache is None and dec.kpos.shape == (0, 0)
+
+
+def test_long_run_compacts_and_stays_exact(tiny_llama):
+    """Rows of very different lengths over many steps: dead slots are compacted away (the cache never
+    grows far past the longest row), and outputs and drafts stay exact through the compactions."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+    configs = [GenerationConfig(rng.randint(30, 90)) for _ in prompts]
+    truths = {
+        str(i): generate(tiny_llama, p, None, GenerationConfig(90)).tokens for i, p in enumerate(prompts)
+    }
+    draft = make_draft(tiny_llama.model, block_size=8)
+    drafted_1 = []
+    for p, c in zip(prompts, configs, strict=True):
+        single = RecordingDFlash(draft, tiny_llama)
+        generate(tiny_llama, p, single, c)
+        drafted_1.append(single.drafted)
+    dflash = RecordingBatchDFlash(draft, tiny_llama)
+    for proposer in (BatchOracle(truths, 128, rng), dflash):
+        dec = BatchDecoder(tiny_llama, block_size=8, max_batch_size=3, proposer=proposer)
+        for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
+            dec.add(str(i), p, c)
+        got = collections.defaultdict(list)
+        while dec.pending():
+            for o in dec.step():
+                got[o.request_id] += o.tokens
+            check_caches(dec)
+            if dec.rows:
+                longest = max(r.anchor for r in dec.rows)
+                assert dec.kpos.shape[1] <= longest + max(32, longest // 4) + 8
+        for i, c in enumerate(configs):
+            assert got[str(i)] == truths[str(i)][: c.max_new_tokens], (type(proposer).__name__, i)
+        assert dec.stats["compactions"] > 0
+    assert dflash.compactions > 0
+    for i in range(len(prompts)):
+        assert dflash.drafted[str(i)] == drafted_1[i], i
+
+
+@pytest.mark.parametrize(
+    "prompt, cfg, match",
+    [
+        ([], GenerationConfig(4), "prompt is empty"),
+        ([1, 2], GenerationConfig(0), "max_new_tokens"),
+        ([1, 2], GenerationConfig(4, block_size=0), "block_size"),
+        ([1] * 200, GenerationConfig(100), "exceeds the target's context of 256"),
+        ([1, 999], GenerationConfig(4), "token ids must lie in 0..127"),
+        ([1, 2], GenerationConfig(4, sampling=0.7), "SamplingConfig"),
+    ],
+)
+def test_bad_input(tiny_llama, prompt, cfg, match):
+    dec = BatchDecoder(tiny_llama)
+    with pytest.raises(ValueError, match=match):
+        dec.add("x", prompt, cfg)
+    assert dec.pending() == 0
+
+
+def test_bad_decoder_settings(tiny_llama):
+    with pytest.raises(ValueError, match="max_batch_size"):
+        BatchDecoder(tiny_llama, max_batch_size=0)
+    with pytest.raises(ValueError, match="block_size"):
+        BatchDecoder(tiny_llama, block_size=0)
+    with pytest.raises(ValueError, match="proposal"):
+        BatchDecoder(tiny_llama, make_draft(tiny_llama.model), proposal="best")
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate_batch(tiny_llama, [[1], [2]], config=[GenerationConfig(2)])
+
+
+# -- sampling -------------------------------------------------------------------------------------
+
+V = 6
+PROMPT = [1, 4, 2]
+
+
+def exact_joint(model, cfg: SamplingConfig) -> np.ndarray:
+    """P(first three tokens) under plain sampling, by enumeration."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=3)))
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        p = probs(model(ids).logits[:, len(PROMPT) - 1 : -1], cfg)
+    out = np.zeros((V, V, V))
+    out[tuple(seqs.T)] = p.gather(-1, seqs[..., None])[..., 0].prod(-1).numpy()
+    return out
+
+
+def chi2_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
+    n = counts.sum()
+    assert counts[exact == 0].sum() == 0, "sampled a sequence that plain sampling can never produce"
+    expected, observed = exact.ravel() * n, counts.ravel()
+    keep = expected >= 5  # pool the rare cells into one
+    exp = np.append(expected[keep], expected[~keep].sum())
+    obs = np.append(observed[keep], observed[~keep].sum())
+    if exp[-1] == 0:
+        exp, obs = exp[:-1], obs[:-1]
+    return float(chisquare(obs, exp).pvalue)
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    model = make_hf_model("llama", vocab=V, layers=2)
+    target = Target(model)
+    draft = make_draft(model, layers=1, mask_token_id=5, block_size=4)
+    with torch.no_grad():
+        draft.fc.weight.mul_(20)  # a confident, wrong draft: many rejections
+    return model, target, draft
+
+
+def sample_counts(target, draft, configs, proposal="draft", rows=2000, seed=0):
+    """Rows of every config interleaved in the same batches; counts of the first 3 tokens per config.
+    A config is a SamplingConfig, or (SamplingConfig, block_size) for rows that draft less (1: none)."""
+    configs = [c if isinstance(c, tuple) else (c, None) for c in configs]
+    cfgs = [
+        GenerationConfig(3, configs[i % len(configs)][1], configs[i % len(configs)][0], seed=seed + i)
+        for i in range(rows * len(configs))
+    ]
+    res = generate_batch(target, [PROMPT] * len(cfgs), draft, cfgs, max_batch_size=256, proposal=proposal)
+    counts = [np.zeros((V, V, V)) for _ in configs]
+    for i, r in enumerate(res):
+        counts[i % len(configs)][tuple(r.tokens)] += 1
+    return counts
+
+
+def test_batched_sampling_matches_plain_distribution(sampling_setup):
+    model, target, draft = sampling_setup
+    configs = [
+        SamplingConfig(0.7, top_k=3),
+        SamplingConfig(1.0, top_p=0.8),
+        SamplingConfig(1.0),
+        (SamplingConfig(0.7, top_k=3), 1),  # plain sampling rows in the same batches
+    ]
+    for cfg, counts in zip(configs, sample_counts(target, draft, configs, rows=1500), strict=True):
+        cfg = cfg[0] if isinstance(cfg, tuple) else cfg
+        p = chi2_pvalue(counts, exact_joint(model, cfg))
+        assert p > 1e-3, f"{cfg}: p-value {p:.2e}"
+    # One-hot (argmax) proposals, with a greedy row mixed in: it must be plain greedy decoding.
+    cfg = SamplingConfig(0.7, top_p=0.9)
+    counts = sample_counts(target, draft, [cfg, SamplingConfig()], proposal="greedy", rows=1000)
+    assert chi2_pvalue(counts[0], exact_joint(model, cfg)) > 1e-3
+    greedy = generate(target, PROMPT, None, GenerationConfig(3)).tokens
+    assert counts[1][tuple(greedy)] == counts[1].sum()
+
+
+def test_seeded_row_ignores_its_batch(sampling_setup):
+    """A seeded request samples the same tokens whatever else shares its batch (its own generator)."""
+    _, target, draft = sampling_setup
+    cfg = GenerationConfig(12, sampling=SamplingConfig(0.9, top_p=0.95), seed=7)
+    alone = generate_batch(target, [PROMPT], draft, cfg)[0].tokens
+    others = [GenerationConfig(s, sampling=SamplingConfig(1.0), seed=s) for s in range(1, 6)]
+    crowd = generate_batch(
+        target, [[2, 3], PROMPT, [5] * 9, [1], [4, 4], [0]], draft, [others[0], cfg, *others[1:]]
+    )
+    assert crowd[1].tokens == alone
+
+
+def _resample_from_p(draft, p, q, generator=None):
+    """A classic bug: after a rejection, sample from p instead of the residual max(0, p - q)."""
+    k = draft.shape[1]
+    p_x = p[:, :k].gather(-1, draft[..., None])[..., 0]
+    q_x = torch.ones_like(p_x) if q is None else q.gather(-1, draft[..., None])[..., 0]
+    u = torch.rand(p_x.shape, generator=generator, dtype=p_x.dtype)
+    a = int((u * q_x < p_x).cumprod(-1).sum())
+    return a, sample(p[0, a], generator)
+
+
+def test_distribution_test_has_power(sampling_setup, monkeypatch):
+    model, target, draft = sampling_setup
+    monkeypatch.setattr(batch, "verify_sampling", _resample_from_p)
+    cfg = SamplingConfig(1.0, top_p=0.8)
+    (counts,) = sample_counts(target, draft, [cfg], rows=1000)
+    assert chi2_pvalue(counts, exact_joint(model, cfg)) < 1e-3
