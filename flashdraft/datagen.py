@@ -27,6 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -760,7 +761,7 @@ def read_packed(path: str | os.PathLike, vocab_size: int | None = None) -> Itera
         with np.load(path, allow_pickle=False) as z:
             tokens, lengths, finish = z["tokens"].astype(np.int64), z["lengths"], z["finish"]
             header = json.loads(bytes(z["header"]).decode())
-    except (OSError, ValueError, KeyError, EOFError) as e:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
         raise DataGenError(
             f"{path} is not a packed token file ({e}): repack it with `flashdraft pack-data`"
         ) from None

@@ -821,7 +821,7 @@ def plot_metrics(metrics: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     if loss:
         ax1.plot(*zip(*loss, strict=True), lw=1)
-    ax1.set(xlabel="step", ylabel="loss (weighted CE)", title="training loss")
+    ax1.set(xlabel="step", ylabel="loss (weighted CE, or KL with --distill)", title="training loss")
     if loss and min(v for _, v in loss) > 0:
         ax1.set_yscale("log")
     if tau:

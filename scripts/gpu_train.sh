@@ -10,7 +10,8 @@
 #      greedy, bf16, large batches;
 #   2. training: the recipe of checkpoints/smollm2-135m-instruct-dflash/MODEL_CARD.md on that data
 #      plus the committed data/*.npz, stopped after MINUTES (default 8) of optimizer steps.
-# Without CUDA it runs the same steps on the CPU (slowly): set DEVICE=cpu and small LIMIT/STEPS to try it.
+# Without CUDA it runs the same steps on the CPU (slowly), e.g. as a check:
+#   DEVICE=cpu LIMIT=2 NEW_TOKENS=32 EVAL_PROMPTS=1 BATCH=2 BATCH_TOKENS=1024 MICRO=1 scripts/gpu_train.sh TARGET OUT 0.3
 set -euo pipefail
 TARGET=${1:?usage: scripts/gpu_train.sh TARGET OUT [MINUTES]}
 OUT=${2:?usage: scripts/gpu_train.sh TARGET OUT [MINUTES]}
@@ -18,6 +19,10 @@ MINUTES=${3:-8}
 DEVICE=${DEVICE:-cuda}
 LIMIT=${LIMIT:-}          # at most this many prompts per prompt file (empty: all)
 BATCH=${BATCH:-256}
+NEW_TOKENS=${NEW_TOKENS:-384}
+EVAL_PROMPTS=${EVAL_PROMPTS:-4}
+BATCH_TOKENS=${BATCH_TOKENS:-65536}  # sequence tokens per optimizer step
+MICRO=${MICRO:-8}                    # sequences per forward
 STEPS=${STEPS:-100000}    # upper bound; the time limit usually ends the run first
 PY=${PY:-python}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -25,15 +30,15 @@ cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 
 $PY -m flashdraft datagen --target "$TARGET" --dataset data/prompts-train.jsonl --device "$DEVICE" \
-    --dtype auto --batch-size "$BATCH" --max-new-tokens 384 ${LIMIT:+--limit "$LIMIT"} \
+    --dtype auto --batch-size "$BATCH" --max-new-tokens "$NEW_TOKENS" ${LIMIT:+--limit "$LIMIT"} \
     --out "$OUT/gpu-data.jsonl" --no-progress
 
 DATA="$OUT/gpu-data.jsonl"
 for f in data/smollm2-135m-instruct/*.npz; do DATA="$DATA,$f"; done
 
 $PY -m flashdraft train --target "$TARGET" --data "$DATA" \
-    --out "$OUT/run" --device "$DEVICE" --layers 2 --block-size 16 --init-from-target --distill \
-    --cache-features --lr 6e-4 --epochs 50 --max-steps "$STEPS" --batch-tokens 65536 --micro-batch 8 \
-    --eval-data data/prompts-eval-gsm.jsonl --eval-prompts 4 --max-minutes "$MINUTES" --mask-token-id 16 --no-progress \
+    --out "$OUT/run" --device "$DEVICE" --layers 2 --block-size 16 --distill \
+    --cache-features --head-vocab 8192 --lr 6e-4 --epochs 50 --max-steps "$STEPS" --batch-tokens "$BATCH_TOKENS" --micro-batch "$MICRO" \
+    --eval-data data/prompts-eval-gsm.jsonl --eval-prompts "$EVAL_PROMPTS" --eval-max-new-tokens 64 --max-minutes "$MINUTES" --mask-token-id 16 --no-progress \
     ${RESUME:+--resume}
 ls -la "$OUT/run" "$OUT/run/checkpoints" 2>/dev/null || true

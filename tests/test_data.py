@@ -142,3 +142,35 @@ def test_missing_packages_give_the_exact_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)
     with pytest.raises(DataError, match=r"`pip install reasoning-gym==0\.1\.25`"):
         load_dataset("gsm-symbolic", limit=2)
+
+
+def test_gsm_symbolic_eval_split_is_refused_for_training_and_disjoint():
+    with pytest.raises(DataError, match="evaluation split"):
+        load_dataset("gsm-symbolic", limit=3, seed=data.GSM_SYMBOLIC_EVAL_SEED)
+    ev = load_dataset("gsm-symbolic-eval", limit=50)
+    assert len(ev) == 50 and all(e.id.startswith(f"gsm-symbolic/s{data.GSM_SYMBOLIC_EVAL_SEED}/") for e in ev)
+    assert ev == load_dataset("gsm-symbolic-eval", limit=50, seed=7)  # the seed is fixed
+    train = {e.turns[0] for s in (0, 1) for e in load_dataset("gsm-symbolic", limit=50, seed=s)}
+    assert not train & {e.turns[0] for e in ev}
+
+
+def test_code_stdlib_prompts_are_signatures_and_docstrings_without_bodies():
+    ex = load_dataset("code-stdlib")
+    assert len(ex) >= 300 and len({e.id for e in ex}) == len(ex)
+    for e in ex[:50]:
+        body = e.turns[0].split("```python\n", 1)[1].rsplit("```", 1)[0]
+        assert e.turns[0].startswith(CODE_TEMPLATE.split("{prompt}")[0])
+        assert body.lstrip().startswith("def ") and ('"""' in body or "'''" in body)
+        assert "return" not in body.split('"""')[-1]  # nothing after the docstring
+    assert not {e.id.split("/")[1] for e in ex} & {e.id for e in load_dataset("humaneval")}
+
+
+def test_prompt_files_round_trip_and_bad_lines_are_named(tmp_path):
+    ex = load_dataset("mt-bench", limit=3) + load_dataset("gsm-symbolic-eval", limit=2)
+    data.write_prompts(ex, tmp_path / "p.jsonl")
+    back = load_dataset(str(tmp_path / "p.jsonl"))
+    assert [(e.id, e.dataset, e.turns) for e in back] == [(e.id, e.dataset, e.turns) for e in ex]
+    assert len(load_dataset(str(tmp_path / "p.jsonl"), limit=2)) == 2
+    (tmp_path / "bad.jsonl").write_text('{"id": "x"}\n')
+    with pytest.raises(DataError, match="line 1"):
+        load_dataset(str(tmp_path / "bad.jsonl"))

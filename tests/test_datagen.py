@@ -420,3 +420,42 @@ def test_endpoint_down_is_a_clear_error(tiny, tmp_path):
     cfg = _cfg(tiny[0], tmp_path / "x.jsonl", endpoint=f"http://127.0.0.1:{port}", limit=1)
     with pytest.raises(DataGenError, match=r"cannot reach .*is the server running"):
         run_datagen(cfg)
+
+
+def _write_records(path, recs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_pack_round_trips_and_train_reads_it(tmp_path):
+    from flashdraft.datagen import make_record, pack, read_packed
+    from flashdraft.train import TrainError
+    from flashdraft.train import read_records as train_records
+
+    g = torch.Generator().manual_seed(0)
+    recs = [
+        make_record(
+            f"r{i}",
+            "toy",
+            torch.randint(0, VOCAB, (5 + i,), generator=g).tolist(),
+            torch.randint(0, VOCAB, (30 - i,), generator=g).tolist(),
+            "stop" if i % 2 else "length",
+        )
+        for i in range(6)
+    ]
+    a = _write_records(tmp_path / "a.jsonl", recs[:4])
+    b = _write_records(tmp_path / "b.jsonl", recs[4:])
+    info = pack([a, b], tmp_path / "d.npz")
+    assert info["records"] == 6 and info["tokens"] == sum(35 for _ in recs)
+    assert list(read_packed(tmp_path / "d.npz")) == recs
+    assert [r["response_ids"] for r in train_records(tmp_path / "d.npz", VOCAB)] == [
+        r["response_ids"] for r in recs
+    ]
+    with pytest.raises(TrainError, match="outside the vocabulary"):
+        train_records(tmp_path / "d.npz", 100)
+    with pytest.raises(DataGenError, match="same record id"):
+        pack([a, a], tmp_path / "e.npz")
+    raw = (tmp_path / "d.npz").read_bytes()
+    (tmp_path / "bad.npz").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(DataGenError, match="not a packed token file"):
+        list(read_packed(tmp_path / "bad.npz"))

@@ -6,6 +6,7 @@ the last layer, whose HF hidden state is final-normed) and the checkpoint format
 """
 
 import random
+from pathlib import Path
 
 import dflash.model as dflash_model  # `make test` installs it: pip install --no-deps dflash==0.1.0
 import pytest
@@ -80,3 +81,39 @@ def test_reference_drafts_the_same_block(pair):
     assert our_block.tolist() == ref_logits.argmax(-1).tolist()
     # Their RMSNorm computes in float32 even for float64 inputs, hence the float32-level tolerance.
     torch.testing.assert_close(our_logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dflash"
+
+
+def test_shipped_draft_drafts_the_same_tokens_in_the_reference():
+    """The committed SmolLM2 draft, as published: the reference loads it and, step by step on real chat
+    prompts (float32), its loop commits exactly our tokens with the same acceptance."""
+    from flashdraft import DFlashDraft, load_target
+
+    target = load_target("smollm2-135m-instruct", dtype="float32")
+    ours = DFlashDraft.from_pretrained(SHIPPED, dtype=torch.float32)
+    theirs = dflash_model.DFlashDraftModel.from_pretrained(str(SHIPPED), dtype=torch.float32).eval()
+    for k, v in ours.state_dict().items():
+        assert torch.equal(theirs.state_dict()[k], v), k
+    tok, proposer = target.tokenizer, DFlashProposer(ours, target)
+    accepted = 0
+    for text in [
+        "What is 17 + 25? Put the answer in \\boxed{}.",
+        "Write a Python function that reverses a list.",
+    ]:
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        mine = generate(target, prompt, proposer, GenerationConfig(32, stop_ids=target.stop_ids))
+        ref = dflash_model.dflash_generate(
+            theirs,
+            target.model,
+            torch.tensor([prompt]),
+            32,
+            target.stop_ids,
+            block_size=ours.config.block_size,
+        )
+        assert ref[0, len(prompt) :].tolist() == mine.tokens
+        accepted += sum(mine.acceptance_lengths) - len(mine.acceptance_lengths)
+    assert accepted > 0  # a trained draft: the comparison covers accepted drafts, not only bonus tokens
