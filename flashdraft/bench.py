@@ -23,14 +23,14 @@ what the previous forward committed). A warm-up generation per method runs first
 After each prompt, the cost model's isolated forwards are timed at that prompt's context
 (`calibrate`). A separate, small numerics part compares greedy outputs in bf16 and float32.
 
-Time of the default command (4 data sets x 2 prompts x 64 new tokens = 512 tokens per method,
-10 methods with block sizes 8 and 16, numerics 2 prompts x 32 tokens). Let t be plain decoding's
-time per token. A smoke run of SmolLM2 in float32 with a weak draft (tau 1.03) measured the
-10 methods' times per token to sum to 17.5 t; a draft with tau ~2 brings that to about 12 t.
-At t = 60 ms (16 tokens/s, our 2-core machines when quiet), decoding takes 512 x 12-17.5 x t =
-6-9 min. Prefills, calibration, warm-up, loading and the numerics part add about 2-3 min. That is
-8-12 min in all. At 12 tokens/s with a draft that accepts nothing, it is about 15 min. Lower
---samples, --max-new-tokens or --numerics-samples to go faster.
+Time of the default command (4 data sets x 2 prompts x 48 new tokens, 7 methods at block size 16,
+numerics 2 prompts x 32 tokens). Measured on our 2-core machine (float32 SmolLM2 at 7.7 tokens/s, the
+shipped draft at tau 1.02): the old defaults (64 tokens, block sizes 8 and 16, 10 methods) took 1378 s.
+The three DFlash-type methods cost about 2.4 plain steps per token each with that draft, so dropping
+block size 8 and 16 of the 64 tokens scales this to about 1378 x (4 + 3 x 2.4) / (4 + 6 x 2.4) x 0.75
+= 630 s, plus loading and numerics: about 11-12 min (an estimate from that run, not yet re-measured).
+A draft that accepts more makes it faster. Lower --samples, --max-new-tokens or --numerics-samples to
+go faster still; `--block-sizes 8,16` adds the 8-token runs (about +9 min here).
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ class BenchPrompt:
 
 @dataclass
 class BenchConfig:
-    max_new_tokens: int = 64
-    block_sizes: tuple[int, ...] = (8, 16)
+    max_new_tokens: int = 48
+    block_sizes: tuple[int, ...] = (16,)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0  # sampling seed of prompt i is seed + i, the same for every method
     ngram_tokens: int = 8  # tokens proposed per lookup, ours and transformers' prompt lookup alike
@@ -1203,14 +1203,14 @@ def add_arguments(p) -> None:
     p.add_argument("--draft", required=True, help="DFlash draft directory")
     p.add_argument("--datasets", default=",".join(DEFAULT_DATASETS), help="comma-separated data set names")
     p.add_argument("--samples", type=int, default=2, help="prompts per data set (the first N)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against plain)"
     )
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
-    p.add_argument("--block-sizes", default="8,16", help="comma-separated DFlash block sizes")
+    p.add_argument("--block-sizes", default="16", help="comma-separated DFlash block sizes, e.g. 8,16")
     p.add_argument(
         "--methods",
         default=",".join(KINDS),
