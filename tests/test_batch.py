@@ -16,11 +16,12 @@ import pytest
 import torch
 from conftest import ARCHS, make_draft, make_hf_model
 from scipy.stats import chisquare
+from test_sampling import _resample_from_p  # the same broken rule the batch-1 power test uses
 
 import flashdraft.batch as batch
 from flashdraft import DFlashProposer, GenerationConfig, NgramProposer, SamplingConfig, Target, generate
 from flashdraft.batch import DEAD, BatchDecoder, BatchProposer, PerRowProposer, generate_batch
-from flashdraft.sampling import probs, sample
+from flashdraft.sampling import probs
 
 
 class BatchOracle(BatchProposer):
@@ -386,16 +387,6 @@ def test_seeded_row_ignores_its_batch(sampling_setup):
         target, [[2, 3], PROMPT, [5] * 9, [1], [4, 4], [0]], draft, [others[0], cfg, *others[1:]]
     )
     assert crowd[1].tokens == alone
-
-
-def _resample_from_p(draft, p, q, generator=None):
-    """A classic bug: after a rejection, sample from p instead of the residual max(0, p - q)."""
-    k = draft.shape[1]
-    p_x = p[:, :k].gather(-1, draft[..., None])[..., 0]
-    q_x = torch.ones_like(p_x) if q is None else q.gather(-1, draft[..., None])[..., 0]
-    u = torch.rand(p_x.shape, generator=generator, dtype=p_x.dtype)
-    a = int((u * q_x < p_x).cumprod(-1).sum())
-    return a, sample(p[0, a], generator)
 
 
 def test_distribution_test_has_power(sampling_setup, monkeypatch):
