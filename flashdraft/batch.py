@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .decode import GenerationConfig, GenerationResult, _check_prompt
+from .decode import GenerationConfig, GenerationResult, _check_prompt, prompt_tensor
 from .draft import DFlashDraft, KVCache
 from .proposers import Proposer
 from .sampling import SamplingConfig, next_token, probs, sample, verify_sampling
@@ -273,7 +273,7 @@ class BatchDFlashProposer(BatchProposer):
         hidden = self.draft(embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask)
         self.kpos = kpos[:, : self.cache.length]
         self.pending = [(r.anchor, ctx.new_zeros(0, ctx.shape[2])) for r in rows]  # next: committed tokens
-        logits = self.draft.logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head)
+        logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head)
         greedy = logits.argmax(-1)
         out = []
         for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
@@ -346,7 +346,7 @@ class BatchDecoder:
                 f"config.sampling must be a SamplingConfig, got {type(config.sampling).__name__}"
             )
         block = config.block_size if config.block_size is not None else self.block_size
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
+        prompt = prompt_tensor(prompt_ids)
         _check_prompt(prompt, self.target, config, block)
         gen = None
         if config.seed is not None:

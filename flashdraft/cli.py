@@ -195,7 +195,10 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="flashdraft", description=__doc__)
+    p.add_argument("--version", action="version", version=f"flashdraft {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text, speculatively when a draft is given")
@@ -321,6 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
+    for verb in sub.choices.values():  # every verb's --help shows the defaults that mean something
+        for a in verb._actions:
+            if (
+                a.option_strings
+                and not any(a.default is x for x in (None, False, argparse.SUPPRESS))
+                and "%(default)" not in (a.help or "")
+            ):
+                a.help = f"{a.help} (default: %(default)s)" if a.help else "default: %(default)s"
     return p
 
 

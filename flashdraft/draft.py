@@ -26,6 +26,9 @@ from torch import nn
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+# The draft vocabulary: an optional extra beside the published files. Loaders that do not know it
+# (vLLM, SGLang, the `dflash` package) ignore it and run the draft with the full LM head.
+VOCAB_NAME = "draft_vocab.safetensors"
 
 
 class DraftError(ValueError):
@@ -368,6 +371,10 @@ class DFlashDraft(nn.Module):
 
         self.rotary = Qwen3RotaryEmbedding(config.to_hf())
         self.reset_parameters()
+        # Token ids the draft proposes from (sorted), or None for the whole vocabulary. Not a parameter
+        # or buffer: model.safetensors keeps the published layout; it travels in VOCAB_NAME.
+        self.vocab: torch.Tensor | None = None
+        self._vocab_head: tuple | None = None  # (key, weight rows, bias rows) of the last LM head seen
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -420,6 +427,38 @@ class DFlashDraft(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def set_vocab(self, token_ids: torch.Tensor | list[int] | None) -> None:
+        """Restrict proposals to these token ids (the draft vocabulary), or lift it with None."""
+        if token_ids is None:
+            self.vocab, self._vocab_head = None, None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
+        if not ids.numel() or int(ids.min()) < 0 or ids.unique().numel() != ids.numel():
+            raise DraftError("a draft vocabulary is a non-empty list of distinct, non-negative token ids")
+        self.vocab, self._vocab_head = ids.sort().values, None
+
+    def propose_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Logits over the whole vocabulary for proposing: with a draft vocabulary, only its rows of the
+        LM head are computed (the head dominates the draft's cost) and every other token gets -inf, so
+        its proposal probability q is 0 and the verifier stays exact."""
+        if self.vocab is None:
+            return self.logits(hidden, lm_head)
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape))
+        if self._vocab_head is None or self._vocab_head[0] != key:
+            rows = self.vocab.to(weight.device)
+            bias = getattr(lm_head, "bias", None)
+            self._vocab_head = (
+                key,
+                weight.detach()[rows],
+                None if bias is None else bias.detach()[rows],
+                rows,
+            )
+        _, w, b, rows = self._vocab_head
+        sub = self.logits(hidden, lambda h: F.linear(h.to(w.dtype), w, b))
+        full = sub.new_full((*sub.shape[:-1], weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, rows, sub)
+
     # -- checkpoint format ------------------------------------------------------------------
 
     def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
@@ -431,6 +470,11 @@ class DFlashDraft(nn.Module):
         cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
         _atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(cfg, indent=2) + "\n"))
+        if self.vocab is None:
+            (directory / VOCAB_NAME).unlink(missing_ok=True)  # a stale one would restrict the new weights
+        else:
+            vocab = {"token_ids": self.vocab.contiguous()}
+            _atomic_write(directory / VOCAB_NAME, lambda p: save_file(vocab, p, metadata={"format": "pt"}))
 
     @classmethod
     def from_pretrained(
@@ -438,7 +482,9 @@ class DFlashDraft(nn.Module):
         directory: str | os.PathLike,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        vocab: bool = True,
     ) -> DFlashDraft:
+        """Load a draft in the published layout; `vocab=False` ignores its draft vocabulary."""
         directory = Path(directory)
         cfg_path = directory / CONFIG_NAME
         if not cfg_path.is_file():
@@ -473,6 +519,13 @@ class DFlashDraft(nn.Module):
         if dtype is None:
             dtype = next(iter(state.values())).dtype
         model.load_state_dict(state)
+        if vocab and (directory / VOCAB_NAME).is_file():
+            try:
+                model.set_vocab(load_file(str(directory / VOCAB_NAME))["token_ids"])
+            except (SafetensorError, OSError, KeyError) as e:
+                raise DraftError(
+                    f"{directory / VOCAB_NAME} is unreadable ({e}): delete it to use the full vocabulary"
+                ) from e
         return model.to(device=device, dtype=dtype).eval()
 
     def check_target(self, target) -> None:
@@ -495,6 +548,10 @@ class DFlashDraft(nn.Module):
         if not 0 <= c.mask_token_id < target.vocab_size:
             problems.append(
                 f"mask_token_id {c.mask_token_id} is outside the target vocabulary of {target.vocab_size}"
+            )
+        if self.vocab is not None and int(self.vocab.max()) >= target.vocab_size:
+            problems.append(
+                f"draft vocabulary has token id {int(self.vocab.max())} >= target vocab {target.vocab_size}"
             )
         if problems:
             raise DraftError(

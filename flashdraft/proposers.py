@@ -77,7 +77,7 @@ class DFlashProposer(Proposer):
         pos = torch.arange(self.cache.length, anchor + k + 1, device=tokens.device)[None]
         hidden = self.draft(embeds, pos[:, c_len:], ctx, pos[:, :c_len], cache=self.cache)
         self.pending = None
-        logits = self.draft.logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head)
+        logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head)
         if sampling.greedy or self.proposal == "greedy":
             return logits.argmax(-1), None
         q = probs(logits, sampling)

@@ -8,6 +8,7 @@ every layer's hidden states alive the way `output_hidden_states=True` does.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from pathlib import Path
 
@@ -89,8 +90,26 @@ class Target:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise TargetError(f"{path} is not a model directory (no config.json): pass a local HF checkpoint")
+        try:
+            architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+        except (json.JSONDecodeError, AttributeError):
+            architectures = []
+        if "DFlashDraftModel" in architectures:
+            raise TargetError(
+                f"{path} is a DFlash draft, not a target model: pass it as --draft, and the model it was "
+                "trained for as --target"
+            )
         dtype = resolve_dtype(dtype, device)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, output_loading_info=True
+        )
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:  # loading would go on with random weights there and print nonsense
+            raise TargetError(
+                f"{path} lacks {len(missing)} weight(s) of its architecture ({', '.join(missing[:4])}"
+                f"{', ...' if len(missing) > 4 else ''}): a partial or mismatched checkpoint; re-save the model"
+            )
+        model = model.to(device)
         tokenizer = None
         if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

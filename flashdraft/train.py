@@ -1,4 +1,4 @@
-"""Train a DFlash draft for a target on target-regenerated data (DFLASH.md section 4).
+"""Train a DFlash draft for a target on its own regenerated answers or on text corpora (the paper, section 4).
 
 One optimizer step, in order:
 
@@ -42,9 +42,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from .decode import GenerationConfig, generate
-from .draft import DFlashDraft, _atomic_write, init_draft_config
+from .draft import DFlashDraft, DraftError, _atomic_write, init_draft_config
 from .proposers import DFlashProposer
 from .target import Target, load_target, resolve_dtype
 
@@ -83,6 +84,9 @@ class TrainConfig:
     eval_prompts: int = 8
     eval_every: int = 0  # 0: about 10 evaluations per run
     eval_max_new_tokens: int = 128
+    # References (scripts/offline_tau.py --make-refs): evaluate by the offline walk on the target's greedy
+    # answers instead of the decode loop, the same tau on greedy decoding in seconds instead of minutes.
+    eval_refs: str | None = None
     save_every: int = 0  # 0: about 10 checkpoints per run
     keep_checkpoints: int = 2
     seed: int = 0
@@ -95,11 +99,15 @@ class TrainConfig:
     max_steps: int | None = None
     max_minutes: float | None = None  # train this long (evaluations excluded); the LR schedule follows time
     save_dtype: str = "bfloat16"  # dtype of the final draft in OUT/draft
-    # Sample efficiency (docs/training.md, "Choices"): what the draft learns from and starts from.
+    # Sample efficiency (README, "Choices that raise tau per CPU-hour"): what the draft learns from and starts from.
     distill: bool = False  # KL to the target's own next-token distribution instead of CE on the data token
     head_vocab: int = 0  # loss over the N most frequent response tokens only (0: the whole vocabulary)
     init_from_target: bool = False  # draft layers start as copies of the target's top layers
     cache_features: bool = False  # keep target features in memory after the first epoch
+    cache_gb: float = 8.0  # memory cap of the feature cache; sequences past it are recomputed each epoch
+    corpus_limit: int | None = None  # (prompt, answer) pairs taken from each named corpus in --data
+    corpus_skip: int = 0  # ... after skipping this many (each sitting of a campaign can take a fresh slice)
+    init_draft: str | None = None  # start from this draft's weights (fresh optimizer and schedule)
     resume: bool = False
     progress: bool = True
 
@@ -133,6 +141,9 @@ RUN_FIELDS = (
     "distill",
     "head_vocab",
     "init_from_target",
+    "corpus_limit",
+    "corpus_skip",
+    "init_draft",
 )
 
 
@@ -180,7 +191,21 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.autocast not in ("auto", "on", "off"):
         problems.append(f"--autocast must be auto, on or off, got {cfg.autocast!r}")
     if not cfg.data:
-        problems.append("--data is empty: pass one or more JSONL files")
+        problems.append("--data is empty: pass data files or corpus names (sharegpt, gsm-symbolic)")
+    weighted = []
+    for item in cfg.data:
+        try:
+            weighted.append(data_source(item)[1] is not None)
+        except TrainError as e:
+            problems.append(str(e))
+    if any(weighted) and not all(weighted):
+        problems.append("--data: give every item a mixing weight (sharegpt:0.7,x.npz:0.3) or none")
+    if cfg.corpus_skip < 0:
+        problems.append(f"--corpus-skip must be >= 0, got {cfg.corpus_skip}")
+    if cfg.corpus_limit is not None and cfg.corpus_limit < 1:
+        problems.append(f"--corpus-limit must be >= 1, got {cfg.corpus_limit}")
+    if cfg.init_draft is not None and cfg.init_from_target:
+        problems.append("--init-draft and --init-from-target both set the draft's first weights: pass one")
     if problems:
         raise TrainError("; ".join(problems))
     resolve_gamma(cfg.block_size, cfg.gamma)
@@ -195,6 +220,68 @@ class Sequence:
     ids: torch.Tensor  # (S,) int64: prompt + response, truncated to max_len
     loss_mask: torch.Tensor  # (S,) bool: True on response tokens
     n_prompt: int
+    source: int = 0  # index of its --data item
+
+
+def data_source(item: str) -> tuple[str, float | None]:
+    """`--data` item -> (file or corpus name, mixing weight or None): `x.npz`, `sharegpt`, `sharegpt:0.7`."""
+    name, sep, weight = item.rpartition(":")
+    if not sep or not name or Path(item).exists():
+        return item, None
+    try:
+        w = float(weight)
+    except ValueError:
+        return item, None
+    if not w > 0:
+        raise TrainError(f"--data {item}: the mixing weight after ':' must be > 0")
+    return name, w
+
+
+def is_corpus(name: str) -> bool:
+    from .data import CORPORA, EVAL_SETS
+
+    return not Path(name).exists() and (name in CORPORA or name in EVAL_SETS)
+
+
+def corpus_records(name: str, tokenizer, limit: int | None, seed: int = 0, skip: int = 0) -> list[dict]:
+    """Records of a text corpus (`data.CORPORA`): each prompt through the chat template, and its recorded
+    answer as the response, as the template renders an assistant turn. No regeneration: with --distill
+    the labels are the target's own distributions over this text (teacher forcing)."""
+    from .data import DataError, load_corpus
+    from .datagen import _chat_ids
+
+    if tokenizer is None:
+        raise TrainError(f"--data {name}: a corpus needs the target's tokenizer, and this target has none")
+    try:
+        pairs = load_corpus(name, limit, seed, skip)
+    except DataError as e:
+        raise TrainError(f"--data {name}: {e}") from None
+    eos = tokenizer.eos_token_id
+    records = []
+    for ex, answer in tqdm(
+        pairs, desc=f"tokenizing {name}", unit="pair", leave=False, disable=len(pairs) < 500
+    ):
+        msgs = ex.messages()
+        prompt = _chat_ids(tokenizer, msgs)
+        full = tokenizer.apply_chat_template(
+            msgs + [{"role": "assistant", "content": answer}], tokenize=True, return_dict=False
+        )
+        full = [int(t) for t in (full["input_ids"] if hasattr(full, "keys") else full)]
+        if full[: len(prompt)] == prompt:
+            response = full[len(prompt) :]
+            if eos in response:  # what follows the end of turn is never generated
+                response = response[: response.index(eos) + 1]
+        else:
+            response = tokenizer.encode(answer, add_special_tokens=False) + ([eos] if eos is not None else [])
+        records.append(
+            {
+                "id": ex.id,
+                "prompt_ids": prompt,
+                "response_ids": response,
+                "loss_mask": [0] * len(prompt) + [1] * len(response),
+            }
+        )
+    return records
 
 
 def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict]:
@@ -260,7 +347,16 @@ def prepare_data(
     """Training sequences, evaluation prompts by set, and counts. The last `eval_prompts` records
     are held out (never trained on) unless `eval_data` names the evaluation sets: datagen files or
     built-in data set names (`gsm-symbolic-eval,humaneval`), `eval_prompts` from each."""
-    records = [r for path in cfg.data for r in read_records(path, vocab_size)]
+    records, groups = [], []
+    for item in cfg.data:
+        name, weight = data_source(item)
+        part = (
+            corpus_records(name, tokenizer, cfg.corpus_limit, cfg.seed, cfg.corpus_skip)
+            if is_corpus(name)
+            else read_records(name, vocab_size)
+        )
+        records += [r | {"source": len(groups)} for r in part]
+        groups.append(weight)
     if not records:
         raise TrainError(f"no records in {', '.join(cfg.data)}")
     if not any(any(r["loss_mask"]) for r in records):
@@ -270,7 +366,12 @@ def prepare_data(
         )
     held_out: list[dict] = []
     eval_sets: dict[str, list[list[int]]] = {}
-    if cfg.eval_data:
+    if cfg.eval_refs:
+        from .acceptance import read_references
+
+        for r in read_references(cfg.eval_refs):
+            eval_sets.setdefault(r.get("set", "refs"), []).append(r["prompt_ids"])
+    elif cfg.eval_data:
         for item in (x for x in cfg.eval_data.split(",") if x):
             if Path(item).is_file() and not _is_prompt_file(item):
                 eval_sets[Path(item).stem] = [
@@ -289,6 +390,13 @@ def prepare_data(
         records, held_out = records[: -cfg.eval_prompts], records[-cfg.eval_prompts :]
     if held_out:
         eval_sets["held-out"] = [r["prompt_ids"] for r in held_out if r["prompt_ids"]]
+    seen = {tuple(p) for prompts in eval_sets.values() for p in prompts}
+    leaked = [r["id"] for r in records if tuple(r["prompt_ids"]) in seen]
+    if leaked:
+        raise TrainError(
+            f"{len(leaked)} training record(s) ask an evaluation prompt (first: {leaked[0]}): evaluation "
+            "prompts can never be trained on; drop them from the data or evaluate on other prompts"
+        )
     need = 2 * cfg.block_size
     seqs, dropped, longest = [], 0, 0
     for r in records:
@@ -299,7 +407,7 @@ def prepare_data(
         if n_resp < need:
             dropped += 1
             continue
-        seqs.append(Sequence(r["id"], ids, mask, len(r["prompt_ids"])))
+        seqs.append(Sequence(r["id"], ids, mask, len(r["prompt_ids"]), r["source"]))
     if not seqs:
         raise TrainError(
             f"block size {cfg.block_size} cannot fit: no sequence has 2 x {cfg.block_size} = {need} response "
@@ -310,10 +418,11 @@ def prepare_data(
         "records": len(records),
         "sequences": len(seqs),
         "dropped_short": dropped,
-        "held_out": 0 if cfg.eval_data else len(held_out),
+        "held_out": 0 if cfg.eval_data or cfg.eval_refs else len(held_out),
         "eval_prompts": sum(map(len, eval_sets.values())),
         "tokens": sum(s.ids.numel() for s in seqs),
         "response_tokens": sum(int(s.loss_mask.sum()) for s in seqs),
+        "weights": groups if any(w is not None for w in groups) else None,
     }
     return seqs, eval_sets, stats
 
@@ -340,8 +449,13 @@ def dataset_prompts(name: str, n: int, tokenizer) -> list[list[int]]:
 
 
 def file_fingerprint(paths: list[str]) -> list[str]:
+    """What `--resume` compares: each data file's sha256; a corpus by its name (its package is pinned)."""
     out = []
-    for p in paths:
+    for item in paths:
+        p, weight = data_source(item)
+        if is_corpus(p):
+            out.append(f"corpus:{item}")
+            continue
         h = hashlib.sha256()
         try:
             with open(p, "rb") as f:
@@ -359,10 +473,31 @@ def _generator(*key) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-    """The global batches of one epoch: sequence indices in a shuffled order, packed greedily up to
-    `batch_tokens` tokens per batch (a longer sequence gets a batch of its own)."""
-    order = torch.randperm(len(lengths), generator=_generator(seed, "order", epoch)).tolist()
+def epoch_mix(sources: list[int], weights: list[float], seed: int, epoch: int) -> list[int]:
+    """The sequences of one epoch under mixing weights: as many sequences as there are in all, a
+    `w / sum(w)` share of them from each source (drawn without replacement, cycling through a small
+    source in fresh permutations), so the mix holds whatever the sources' sizes."""
+    out = []
+    for g, w in enumerate(weights):
+        members = [i for i, s in enumerate(sources) if s == g]
+        want, picked = round(len(sources) * w / sum(weights)), []
+        while members and len(picked) < want:
+            perm = torch.randperm(len(members), generator=_generator(seed, "mix", epoch, g, len(picked)))
+            picked += [members[i] for i in perm.tolist()]
+        out += picked[:want]
+    return out
+
+
+def epoch_batches(
+    lengths: list[int], batch_tokens: int, seed: int, epoch: int, members: list[int] | None = None
+) -> list[list[int]]:
+    """The global batches of one epoch: sequence indices (all, or `members`, see `epoch_mix`) in a
+    shuffled order, packed greedily up to `batch_tokens` tokens per batch (a longer sequence gets a
+    batch of its own)."""
+    perm = torch.randperm(
+        len(lengths) if members is None else len(members), generator=_generator(seed, "order", epoch)
+    )
+    order = perm.tolist() if members is None else [members[i] for i in perm.tolist()]
     batches, cur, tokens = [], [], 0
     for i in order:
         if cur and tokens + lengths[i] > batch_tokens:
@@ -508,21 +643,33 @@ def build_batch(
     )
 
 
+def teacher_targets(teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p, sum(p log p)) of the teacher's distributions: all that KL(teacher || draft) needs besides
+    the draft's logits, since KL = CE(p, draft) + sum(p log p)."""
+    logp = F.log_softmax(teacher_logits, -1)
+    p = logp.exp()
+    return p, (p * logp).sum(-1)
+
+
 def block_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
     teacher_logits: torch.Tensor | None = None,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum(w * loss), sum(w)); the loss is their ratio, taken over the whole global batch. The loss
-    is CE against `labels`, or with `teacher_logits` KL(teacher || draft): the target's whole
-    next-token distribution at that position, not just its top token."""
+    is CE against `labels`, or with `teacher_logits` (or their `teacher_targets`) KL(teacher || draft):
+    the target's whole next-token distribution at that position, not just its top token. The KL goes
+    through cross-entropy's fused soft-target kernel instead of materialising several (N, V) tensors."""
     logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
-    if teacher_logits is None:
+    if teacher_logits is not None:
+        teacher = teacher_targets(teacher_logits.to(logits.dtype))
+    if teacher is None:
         per = F.cross_entropy(logits, labels, reduction="none")
     else:
-        t = F.log_softmax(teacher_logits.to(logits.dtype), -1)
-        per = (t.exp() * (t - F.log_softmax(logits, -1))).sum(-1)
+        p, neg_entropy = teacher
+        per = F.cross_entropy(logits, p.to(logits.dtype), reduction="none") + neg_entropy.to(logits.dtype)
     w = weights.to(per.dtype)
     return (w * per).sum(), w.sum()
 
@@ -654,13 +801,20 @@ def batch_loss(
     with torch.autocast(batch.ids.device.type, dtype=torch.bfloat16, enabled=autocast):
         hidden = draft_hidden(draft, target, batch, dtype, features)
         logits = draft.logits(hidden[keep], head)
-        teacher_logits = None
+        targets = None
         if teacher is not None:
             with torch.no_grad():
+                # Blocks of nearby anchors overlap: each position's distribution is computed once.
+                s = batch.ids.shape[1]
                 pos = (batch.block_positions - 1).clamp(min=0)[keep]
                 rows = torch.arange(batch.ids.shape[0], device=pos.device)[:, None].expand_as(keep)[keep]
-                teacher_logits = draft.logits(teacher[rows, pos].to(dtype), head)
-    return block_loss(logits, labels, weights, teacher_logits)
+                where, inverse = torch.unique(rows * s + pos, return_inverse=True)
+                t_logits = draft.logits(teacher[where // s, where % s].to(dtype), head)
+                p, neg_entropy = teacher_targets(
+                    t_logits.float() if t_logits.dtype == torch.bfloat16 else t_logits
+                )
+                targets = (p[inverse], neg_entropy[inverse])
+    return block_loss(logits, labels, weights, teacher=targets)
 
 
 # -- schedule -----------------------------------------------------------------------------------
@@ -758,6 +912,7 @@ def unsharded(draft, d: Dist) -> DFlashDraft | None:
     copy.to(next(iter(state.values())).dtype).load_state_dict(
         state
     )  # cast first: loading copies into the dtype
+    copy.set_vocab(draft.vocab)
     return copy
 
 
@@ -974,8 +1129,10 @@ def check_resume(state: dict, identity: dict, ckpt: Path) -> None:
     """Refuse a checkpoint made for another run (options, data, target or draft shape)."""
     old = state.get("identity", {})
     diffs = []
+    # An option added after the checkpoint was made resumes as if it had had its default.
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
     for k in RUN_FIELDS:
-        a, b = old.get("config", {}).get(k), identity["config"][k]
+        a, b = old.get("config", {}).get(k, defaults[k]), identity["config"][k]
         if a != b:
             diffs.append(f"--{k.replace('_', '-')}: checkpoint {a!r}, now {b!r}")
     if old.get("data") != identity["data"]:
@@ -1025,8 +1182,6 @@ def _log(d: Dist, msg: str) -> None:
 
 
 def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
-    from tqdm import tqdm
-
     t_start = time.perf_counter()
     out = Path(cfg.out)
     gamma = resolve_gamma(cfg.block_size, cfg.gamma)
@@ -1041,7 +1196,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
     identity = {
         "config": {k: getattr(cfg, k) for k in RUN_FIELDS} | {"dtype": str(dtype).removeprefix("torch.")},
         "data": file_fingerprint(cfg.data),
-        "held_out": 0 if cfg.eval_data else cfg.eval_prompts,
+        "held_out": 0 if cfg.eval_data or cfg.eval_refs else cfg.eval_prompts,
     }
     ckpt, ckpt_state = None, None
     if cfg.resume:  # options and data first: a wrong --resume fails before the target is loaded
@@ -1053,9 +1208,17 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
     use_autocast = cfg.autocast == "on" or (cfg.autocast == "auto" and device.type == "cuda")
     target = load_target(cfg.target, dtype, str(device))
     seqs, eval_prompts, stats = prepare_data(cfg, target.vocab_size, target.tokenizer)
+    start_from = None
+    if cfg.init_draft:
+        try:
+            start_from = DFlashDraft.from_pretrained(cfg.init_draft, dtype=master)
+        except (DraftError, OSError) as e:
+            raise TrainError(f"--init-draft {cfg.init_draft}: {e}") from None
     mask_id, note = (
         (cfg.mask_token_id, None) if cfg.mask_token_id is not None else target.default_mask_token_id()
     )
+    if start_from is not None:
+        mask_id, note = start_from.config.mask_token_id, None
     if note:
         _log(d, note)
     if not 0 <= mask_id < target.vocab_size:
@@ -1065,6 +1228,8 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
     dcfg = init_draft_config(
         target.model.config, cfg.layers, mask_id, cfg.block_size, cfg.target_layer_ids, cfg.num_features
     )
+    if start_from is not None:  # its shape wins: layers, target layers and mask id come with the weights
+        dcfg = start_from.config.replace(block_size=cfg.block_size)
     identity["target"] = target_fingerprint(target)
     identity["draft_config"] = dcfg.to_json()
     if ckpt is not None:
@@ -1076,6 +1241,12 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
     draft.check_target(target)
     if cfg.init_from_target and ckpt is None:
         _log(d, init_from_target(draft, target))
+    if start_from is not None and ckpt is None:
+        draft.load_state_dict(start_from.state_dict())
+        _log(
+            d,
+            f"draft starts from {cfg.init_draft} ({len(dcfg.target_layer_ids)} target layers, fresh optimizer)",
+        )
     # With --distill the target's last layer (its final-normed output) is read too: the teacher.
     feature_ids = list(dcfg.target_layer_ids) + ([target.num_layers - 1] if cfg.distill else [])
     n_draft_feats = len(dcfg.target_layer_ids) * target.hidden_size
@@ -1088,9 +1259,11 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
     if cfg.head_vocab:
         rows, coverage = head_rows(seqs, cfg.head_vocab, target.vocab_size)
         _log(d, f"loss over the {rows.numel()} most frequent response tokens: {100 * coverage:.2f}% of them")
+        draft.set_vocab(rows)  # saved with the draft: it proposes only from what it was trained on
         rows = rows.to(device)
     head = FrozenHead(target.lm_head, None if use_autocast else master, rows)
     feature_cache: dict[int, torch.Tensor] = {}
+    cache_room = [int(cfg.cache_gb * 2**30)]  # bytes left for cached features
 
     def batch_features(part: list[int], batch: Batch) -> torch.Tensor:
         """Target features of a micro-batch: computed, or (--cache-features) assembled from memory."""
@@ -1099,7 +1272,10 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
             feats = target_features(target, batch)
             if cfg.cache_features:
                 for row, i in enumerate(part):
-                    feature_cache[i] = feats[row, : seqs[i].ids.numel()].clone()
+                    kept = feats[row, : seqs[i].ids.numel()]
+                    if i not in feature_cache and kept.nbytes <= cache_room[0]:
+                        feature_cache[i] = kept.clone()
+                        cache_room[0] -= kept.nbytes
             return feats
         feats = torch.zeros(*batch.ids.shape, len(feature_ids) * target.hidden_size, dtype=target.dtype)
         for row, i in enumerate(part):
@@ -1107,11 +1283,25 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
         return feats.to(device)
 
     lengths = [s.ids.numel() for s in seqs]
-    per_epoch = [len(epoch_batches(lengths, cfg.batch_tokens, cfg.seed, e)) for e in range(cfg.epochs)]
+
+    def epoch_plan(epoch: int) -> list[list[int]]:
+        members = (
+            None
+            if stats["weights"] is None
+            else epoch_mix([s.source for s in seqs], stats["weights"], cfg.seed, epoch)
+        )
+        return epoch_batches(lengths, cfg.batch_tokens, cfg.seed, epoch, members)
+
+    per_epoch = [len(epoch_plan(e)) for e in range(cfg.epochs)]
     total = sum(per_epoch) if cfg.max_steps is None else min(sum(per_epoch), cfg.max_steps)
     eval_every = cfg.eval_every or max(1, total // 10)
     save_every = cfg.save_every or max(1, total // 10)
     evaluating = bool(eval_prompts)
+    refs = None
+    if cfg.eval_refs:
+        from .acceptance import offline_tau, read_references
+
+        refs = read_references(cfg.eval_refs)
 
     start = 0
     metrics_path, plot_path = out / "metrics.jsonl", out / "plot.png"
@@ -1154,7 +1344,10 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
         result = None
         if evaluating:
             whole = unsharded(draft, d)
-            if d.main:
+            if d.main and refs is not None:
+                t0 = time.perf_counter()
+                result = offline_tau(whole, target, refs) | {"eval_s": round(time.perf_counter() - t0, 3)}
+            elif d.main:
                 result = evaluate_tau(whole, target, eval_prompts, cfg.block_size, cfg.eval_max_new_tokens)
             barrier(d)
         return result
@@ -1218,7 +1411,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device) -> dict:
             if epoch >= 0:
                 first_in_epoch += len(plan)
             epoch += 1
-            plan = epoch_batches(lengths, cfg.batch_tokens, cfg.seed, epoch)
+            plan = epoch_plan(epoch)
         j = step - first_in_epoch
         t0 = time.perf_counter()
         # With --max-minutes the schedule runs on time: it ends where the budget does.
@@ -1383,7 +1576,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`flashdraft train` options (see docs/training.md)."""
+    """`flashdraft train` options (README, "Train a draft for your own model")."""
     d = TrainConfig
     p.add_argument(
         "--target", required=True, help="built-in name, a .gguf file or a local HF model directory"
@@ -1392,7 +1585,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         required=True,
         type=lambda s: [x for x in s.split(",") if x],
-        help="comma-separated datagen JSONL files",
+        help="comma-separated datagen JSONL / packed .npz files and text corpora (sharegpt, gsm-symbolic: "
+        "their recorded answers, no regeneration; use with --distill), each optionally with a mixing weight: "
+        "sharegpt:0.7,data/x.npz:0.3",
+    )
+    p.add_argument(
+        "--corpus-limit",
+        type=int,
+        default=None,
+        help="(prompt, answer) pairs taken from each corpus (default all)",
+    )
+    p.add_argument(
+        "--corpus-skip", type=int, default=0, help="skip this many pairs of each corpus first (a fresh slice)"
+    )
+    p.add_argument(
+        "--init-draft",
+        default=None,
+        help="start from this draft directory's weights (fresh optimizer and schedule)",
+    )
+    p.add_argument(
+        "--cache-gb", type=float, default=TrainConfig.cache_gb, help="memory cap of --cache-features (GiB)"
     )
     p.add_argument(
         "--out", required=True, help="run directory: checkpoints/, draft/, metrics.jsonl, plot.png"
@@ -1431,6 +1643,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--eval-every", type=int, default=d.eval_every, help="steps between evaluations (0: ~10 per run)"
     )
     p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens)
+    p.add_argument(
+        "--eval-refs",
+        default=None,
+        help="references JSONL (scripts/offline_tau.py --make-refs): tau by the offline walk, in seconds",
+    )
     p.add_argument(
         "--save-every", type=int, default=d.save_every, help="steps between checkpoints (0: ~10 per run)"
     )

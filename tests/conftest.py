@@ -90,3 +90,49 @@ def arch(request):
 @pytest.fixture(scope="session")
 def tiny_llama():
     return Target(make_hf_model("llama"))
+
+
+def smollm2_tokenizer_dir():
+    """The converted SmolLM2 directory (its tokenizer and chat template); skips where the package is missing."""
+    from flashdraft.models import ensure_converted
+
+    try:
+        return ensure_converted("smollm2-135m-instruct")
+    except Exception as e:  # the package is not installed
+        pytest.skip(f"needs the SmolLM2 tokenizer: {e}")
+
+
+def make_chat_target(directory, hidden: int = 32, layers: int = 2, seed: int = 0):
+    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template, saved to
+    `directory`: prompts go through a real chat template without any download. Returns the model
+    and the tokenizer; call `model.save_pretrained(directory)` again after changing it."""
+    import shutil
+
+    import transformers as tf
+
+    src = smollm2_tokenizer_dir()
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+    model.eval().save_pretrained(directory)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, directory)
+    return model, tf.AutoTokenizer.from_pretrained(src)

@@ -395,3 +395,40 @@ def test_distribution_test_has_power(sampling_setup, monkeypatch):
     cfg = SamplingConfig(1.0, top_p=0.8)
     (counts,) = sample_counts(target, draft, [cfg], rows=1000)
     assert chi2_pvalue(counts, exact_joint(model, cfg)) < 1e-3
+
+
+def test_padding_equal_to_the_true_next_token_is_never_accepted(tiny_llama):
+    """Drafts of uneven length are padded with id 0 up to the longest. Row "0" proposes its true
+    continuation cut right before a true 0, while row "1" proposes long correct blocks: were the
+    padding compared like a draft, row "0" would accept it, count a token its cache never kept, and
+    drift (the cache check and the outputs catch it)."""
+    target = tiny_llama
+    g = torch.Generator().manual_seed(0)
+    truths = {}
+    for _ in range(400):
+        prompt = torch.randint(1, 128, (5,), generator=g).tolist()
+        truth = generate(target, prompt, None, GenerationConfig(max_new_tokens=40)).tokens
+        if 0 in truth[2:30]:
+            break
+    assert 0 in truth[2:30], "no prompt continues with token 0"
+    other = [7, 8, 9, 10]
+    truths = {"0": truth, "1": generate(target, other, None, GenerationConfig(max_new_tokens=40)).tokens}
+    cuts = []
+
+    class CutBeforeZero(BatchProposer):
+        def propose(self, rows, ks):
+            out, cut = {}, None
+            for row, k in zip(rows, ks, strict=True):
+                t = truths[row.request_id][len(row.tokens) : len(row.tokens) + k]
+                if row.request_id == "0" and 0 in t:
+                    t = cut = t[: t.index(0)]
+                out[row.request_id] = t
+            if cut is not None and len(out.get("1", [])) > len(cut):
+                cuts.append(len(cut))  # row "0" is padded where its true token is 0: the case under test
+            return [(torch.tensor(out[r.request_id], dtype=torch.long), None) for r in rows]
+
+    cfg = GenerationConfig(max_new_tokens=40, block_size=6)
+    dec = BatchDecoder(target, proposer=CutBeforeZero(), block_size=6, max_batch_size=2)
+    seen = run_decoder(dec, [prompt, other], [cfg, cfg])
+    assert cuts
+    assert seen["0"]["tokens"] == truths["0"] and seen["1"]["tokens"] == truths["1"]

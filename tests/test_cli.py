@@ -134,3 +134,32 @@ def test_mismatched_draft_is_refused(dirs, tmp_path, capsys):
     make_hf_model("llama", layers=4).save_pretrained(other)
     assert main(["generate", "--target", str(other), "--draft", str(draft), "--prompt-ids", "1"]) == 2
     assert "draft and target do not match" in capsys.readouterr().err
+
+
+def test_a_draft_passed_as_target_is_refused(dirs, capsys):
+    target, draft = dirs
+    assert main(["generate", "--target", str(draft), "--draft", str(target), "--prompt-ids", "1"]) == 2
+    assert "is a DFlash draft, not a target model: pass it as --draft" in capsys.readouterr().err
+
+
+def test_a_target_with_missing_weights_is_refused(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "partial"
+    make_hf_model("llama", layers=2).save_pretrained(broken)
+    state = load_file(str(broken / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if "layers.1.mlp" not in k}, str(broken / "model.safetensors"))
+    assert main(["generate", "--target", str(broken), "--prompt-ids", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "lacks 3 weight(s)" in err and "layers.1.mlp" in err
+
+
+def test_version_and_defaults_in_help(capsys):
+    from flashdraft import __version__
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"flashdraft {__version__}"
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "default: 128" in capsys.readouterr().out  # --max-new-tokens

@@ -5,7 +5,6 @@ so prompts go through a real chat template without any download."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from conftest import make_chat_target
 
 from flashdraft.cli import main
 from flashdraft.data import DataError, load_dataset
@@ -38,15 +38,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def _tokenizer_dir():
-    from flashdraft.models import ensure_converted
-
-    try:
-        return ensure_converted("smollm2-135m-instruct")
-    except Exception as e:  # the package is not installed
-        pytest.skip(f"needs the SmolLM2 tokenizer: {e}")
 
 
 def _prompt_ids(tok, ex):
@@ -74,40 +65,13 @@ def tiny(tmp_path_factory):
     """A tiny random Llama + SmolLM2 tokenizer on disk. Besides the tokenizer's eos (2), a token that
     greedy decoding emits a few steps into one humaneval answer is made a stop token, so some
     responses end on a stop and others run to the length limit."""
-    import transformers as tf
-
-    src = _tokenizer_dir()
     d = tmp_path_factory.mktemp("dg") / "tiny"
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    model = tf.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.15)
-    model.eval()
-    tok = tf.AutoTokenizer.from_pretrained(src)
+    model, tok = make_chat_target(d)
     ex = load_dataset("humaneval", limit=1)[0]
     first, _ = _greedy_alone(model, _prompt_ids(tok, ex), 8, [2])
     extra = next((t for t in first[3:] if t not in first[:3]), first[-1])
     model.generation_config.eos_token_id = [2, extra]
     model.save_pretrained(d)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (src / f).exists():
-            shutil.copy(src / f, d)
     return d, model, tok, [2, extra]
 
 

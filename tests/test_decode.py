@@ -165,3 +165,27 @@ def test_bad_generation_input(tiny_llama, prompt, cfg, match):
 def test_bad_sampling_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kwargs)
+
+
+def test_generate_accepts_what_tokenizers_return(tiny_llama):
+    """A list, a (n,) or (1, n) tensor, and a BatchEncoding (what `apply_chat_template(...,
+    return_dict=True)` and tokenizer calls return) are one prompt; a batch of two is refused."""
+    from transformers import BatchEncoding
+
+    from flashdraft.batch import generate_batch
+
+    cfg = GenerationConfig(max_new_tokens=6)
+    ids = [5, 9, 17, 3]
+    want = generate(tiny_llama, ids, None, cfg).tokens
+    for form in (
+        torch.tensor(ids),
+        torch.tensor([ids]),
+        BatchEncoding({"input_ids": [ids], "attention_mask": [[1] * 4]}),
+        {"input_ids": torch.tensor([ids])},
+    ):
+        assert generate(tiny_llama, form, None, cfg).tokens == want
+    assert generate_batch(tiny_llama, [BatchEncoding({"input_ids": ids})], config=cfg)[0].tokens == want
+    with pytest.raises(ValueError, match="generate takes one prompt.*generate_batch"):
+        generate(tiny_llama, torch.tensor([ids, ids]), None, cfg)
+    with pytest.raises(ValueError, match="the prompt must be token ids"):
+        generate(tiny_llama, "hello", None, cfg)

@@ -1,5 +1,5 @@
 """`flashdraft train`: the training mask, labels and loss against brute-force references (and the three
-pitfalls of DFLASH.md section 4, each shown to be caught), training forward == inference forward, 2-rank
+pitfalls of the paper's section 4, each shown to be caught), training forward == inference forward, 2-rank
 torchrun == 1 process, kill -9 + --resume == uninterrupted, refused resumes, NaN stop, bad data."""
 
 import json
@@ -35,7 +35,7 @@ def one_thread():
 
 
 def reference_mask(anchors: list[list[int]], ctx_len: int, block_size: int) -> torch.Tensor:
-    """The visibility rules of DFLASH.md, one (query, key) pair at a time. anchors[i] lists the real
+    """The visibility rules of the paper (section 4), one (query, key) pair at a time. anchors[i] lists the real
     anchors of sequence i; the batch is padded to the longest list."""
     n_max = max(len(a) for a in anchors)
     q = n_max * block_size
@@ -584,7 +584,7 @@ def test_sub_vocabulary_and_distillation_against_brute_force(tiny):
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(4, VOCAB, (24,), generator=g)
     seqs = [(ids, torch.arange(24) >= 6)]
-    anchors = [torch.tensor([6, 9, 14, 20])]
+    anchors = [torch.tensor([6, 8, 9, 14, 20])]  # 6, 8 and 9 overlap: shared teacher positions
     batch = T.build_batch(seqs, anchors, B, MASK, 4.0)
     rows = torch.arange(0, VOCAB, 2)  # even ids only: odd labels must carry no loss
     head = T.FrozenHead(target.lm_head, torch.float64, rows)
@@ -647,4 +647,31 @@ def test_run_with_all_sample_efficiency_options(files, tmp_path):
         )
     )
     assert summary["last_loss"] < summary["first_loss"]
-    DFlashDraft.from_pretrained(tmp_path / "run" / "draft")
+    draft = DFlashDraft.from_pretrained(tmp_path / "run" / "draft")
+    # It proposes only from the rows it was trained on: the 40 most frequent response tokens.
+    data = T.prepare_data(config(files, tmp_path / "x"), VOCAB)[0]
+    assert draft.vocab.tolist() == T.head_rows(data, 40, VOCAB)[0].tolist()
+
+
+def test_the_loop_reads_the_configured_layers_and_resamples_anchors(files, tmp_path, monkeypatch):
+    """The loop's wiring, not only its self-consistency: every target forward captures the configured
+    layers (plus the last one, the teacher, with --distill), and each sequence gets fresh anchors
+    every epoch."""
+    layers, anchors = [], {}
+    real_features, real_anchors = T.target_features, T.sample_anchors
+
+    def spy_features(target, batch):
+        layers.append(list(target._layer_ids))
+        return real_features(target, batch)
+
+    def spy_anchors(loss_mask, block_size, max_anchors, generator=None):
+        out = real_anchors(loss_mask, block_size, max_anchors, generator)
+        anchors.setdefault(id(loss_mask), []).append(out.tolist())
+        return out
+
+    monkeypatch.setattr(T, "target_features", spy_features)
+    monkeypatch.setattr(T, "sample_anchors", spy_anchors)
+    T.train(config(files, tmp_path / "run", target_layer_ids=[0, 2], distill=True, epochs=2))
+    assert layers and all(x == [0, 2, 3] for x in layers)
+    twice = [a for a in anchors.values() if len(a) >= 2]
+    assert twice and sum(a[0] != a[1] for a in twice) >= len(twice) // 2

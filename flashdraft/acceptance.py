@@ -1,0 +1,129 @@
+"""Offline acceptance: how many tokens a draft would get accepted, without running the decode loop.
+
+The real loop (`train.evaluate_tau`) is the measure that counts, but it costs a target forward per
+step and one draft pass per block: minutes per evaluation on a CPU. With greedy decoding the target's
+output does not depend on the draft, so it can be computed once (`greedy_references`) and kept. A
+draft is then scored on it in one target forward per sequence (features) and one draft pass over
+many blocks at once: at every anchor among the response positions, the draft's block is compared
+with the target's own next tokens, and the acceptance length is one plus the leading matches, as the
+verifier would count it. The mean over anchors estimates tau; it weights every response position
+alike, where the real loop visits only the positions its own acceptances land on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .decode import GenerationConfig
+from .draft import DFlashDraft, _atomic_write
+from .target import Target
+
+
+def greedy_references(
+    target: Target, prompts: dict[str, list[list[int]]], max_new_tokens: int, batch_size: int = 16
+) -> list[dict]:
+    """The target's own greedy continuation of each prompt (plain decoding through the batched
+    decoder, cut at a stop id), as records with `set`, `prompt_ids` and `response_ids`."""
+    from .batch import generate_batch
+
+    items = [(name, p) for name, group in prompts.items() for p in group if len(p) < target.max_length]
+    configs = [
+        GenerationConfig(
+            max_new_tokens=min(max_new_tokens, target.max_length - len(p)), stop_ids=target.stop_ids
+        )
+        for _, p in items
+    ]
+    results = generate_batch(
+        target, [p for _, p in items], config=configs, block_size=1, max_batch_size=batch_size
+    )
+    return [
+        {"set": name, "prompt_ids": list(p), "response_ids": list(r.tokens)}
+        for (name, p), r in zip(items, results, strict=True)
+    ]
+
+
+def write_references(records: list[dict], path: str | os.PathLike) -> None:
+    _atomic_write(Path(path), lambda p: Path(p).write_text("".join(json.dumps(r) + "\n" for r in records)))
+
+
+def read_references(path: str | os.PathLike) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@torch.no_grad()
+def acceptance_lengths(
+    draft: DFlashDraft,
+    target: Target,
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    chunk: int = 64,
+) -> torch.Tensor:
+    """The tokens the verifier would commit with the anchor at each response position p (all but the
+    last): 1 + the drafted tokens of p+1..p+B-1 that match the reference before the first miss, capped
+    by what is left of the reference (as the loop caps by its remaining room).
+
+    The anchor at p sees target features of positions < p, exactly the training layout (whose equality
+    with the inference forward is tested). Anchors go through the draft `chunk` at a time."""
+    from .train import build_batch, draft_hidden, target_features
+
+    b = draft.config.block_size
+    ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
+    n_prompt, n = len(prompt_ids), ids.numel()
+    if n - 1 <= n_prompt:
+        return torch.zeros(0, dtype=torch.long)
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[n_prompt:] = True
+    target.select_layers(list(draft.config.target_layer_ids))
+    everything = torch.arange(n_prompt, n - 1)
+    feats = None
+    out = []
+    for part in everything.split(chunk):
+        batch = build_batch([(ids, mask)], [part], b, draft.config.mask_token_id, 1.0).to(target.device)
+        if feats is None:
+            feats = target_features(target, batch)
+        hidden = draft_hidden(draft, target, batch, draft.fc.weight.dtype, feats)
+        guess = (
+            draft.propose_logits(hidden.to(target.dtype), target.lm_head).argmax(-1).view(-1, b)[:, 1:].cpu()
+        )
+        pos = part[:, None] + torch.arange(1, b)  # the positions each block drafts
+        hit = (guess == ids[pos.clamp(max=n - 1)]) & (pos < n)
+        accepted = torch.cumprod(hit.long(), dim=1).sum(1)
+        out.append(torch.minimum(accepted + 1, n - 1 - part))
+    return torch.cat(out)
+
+
+def walk(lengths: torch.Tensor) -> list[int]:
+    """The commits of the greedy loop through a reference whose per-anchor commits are `lengths`
+    (index 0 = the first response token): it starts at the first and jumps by each commit."""
+    p, visited = 0, []
+    while p < lengths.numel():
+        visited.append(int(lengths[p]))
+        p += visited[-1]
+    return visited
+
+
+def offline_tau(draft: DFlashDraft, target: Target, references: list[dict]) -> dict:
+    """Per set and pooled: "tau", the real greedy loop's tau on these references (committed tokens per
+    step, by walking the anchors it would visit), and "tau_all", the mean over every anchor."""
+    committed: dict[str, int] = {}
+    steps: dict[str, int] = {}
+    every: dict[str, list[torch.Tensor]] = {}
+    for r in references:
+        lengths = acceptance_lengths(draft, target, r["prompt_ids"], r["response_ids"])
+        name = r.get("set", "all")
+        committed[name] = committed.get(name, 0) + int(lengths.numel())
+        steps[name] = steps.get(name, 0) + len(walk(lengths))
+        every.setdefault(name, []).append(lengths.double())
+    out = {"tau": sum(committed.values()) / max(1, sum(steps.values()))}
+    pooled = torch.cat([torch.cat(v) for v in every.values()]) if every else torch.zeros(1)
+    out["tau_all"] = float(pooled.mean())
+    for name in committed:
+        out[f"tau/{name}"] = committed[name] / max(1, steps[name])
+        out[f"tau_all/{name}"] = float(torch.cat(every[name]).mean())
+    out["anchors"] = int(pooled.numel())
+    return out

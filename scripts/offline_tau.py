@@ -1,0 +1,83 @@
+"""Score drafts on the target's own greedy answers, without the decode loop (flashdraft.acceptance).
+
+    # once: the target's greedy answers to 8 prompts of each evaluation set, 256 new tokens
+    python scripts/offline_tau.py --target smollm2-135m-instruct --refs runs/refs.jsonl --make-refs \
+        --sets sharegpt-eval,mt-bench,humaneval,gsm-symbolic-eval --prompts 8 --max-new-tokens 256
+    # then, as often as you like: tau per set for each draft (a directory or a training checkpoint)
+    python scripts/offline_tau.py --target smollm2-135m-instruct --refs runs/refs.jsonl \
+        --draft checkpoints/smollm2-135m-instruct-dflash,runs/x/checkpoints/step-00000600 [--real]
+
+`--real` also runs the real greedy loop on the same prompts and lengths, to show that both agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from flashdraft.acceptance import greedy_references, offline_tau, read_references, write_references  # noqa: E402
+from flashdraft.draft import DFlashDraft  # noqa: E402
+from flashdraft.target import load_target, resolve_dtype  # noqa: E402
+from flashdraft.train import dataset_prompts, evaluate_tau  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--refs", required=True, help="references JSONL (written with --make-refs)")
+    p.add_argument("--make-refs", action="store_true", help="write the references first")
+    p.add_argument("--sets", default="sharegpt-eval,mt-bench,humaneval,gsm-symbolic-eval")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per set (with --make-refs)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="with --make-refs")
+    p.add_argument("--draft", default="", help="comma-separated draft directories")
+    p.add_argument("--real", action="store_true", help="also run the real greedy loop on the same prompts")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    target = load_target(args.target, dtype, "cpu")
+    if args.make_refs:
+        prompts = {s: dataset_prompts(s, args.prompts, target.tokenizer) for s in args.sets.split(",") if s}
+        t0 = time.perf_counter()
+        refs = greedy_references(target, prompts, args.max_new_tokens)
+        write_references(refs, args.refs)
+        n = sum(len(r["response_ids"]) for r in refs)
+        print(f"{len(refs)} references, {n} tokens, in {time.perf_counter() - t0:.0f} s -> {args.refs}")
+    refs = read_references(args.refs)
+    results = {}
+    for path in (d for d in args.draft.split(",") if d):
+        draft = DFlashDraft.from_pretrained(path, dtype=target.dtype)
+        t0 = time.perf_counter()
+        est = offline_tau(draft, target, refs)
+        est["offline_s"] = round(time.perf_counter() - t0, 1)
+        if args.real:
+            sets: dict[str, list[list[int]]] = {}
+            for r in refs:
+                sets.setdefault(r["set"], []).append(r["prompt_ids"])
+            longest = max(len(r["response_ids"]) for r in refs)
+            real = evaluate_tau(draft, target, sets, draft.config.block_size, longest)
+            est |= {f"real_{k}": v for k, v in real.items()}
+        results[path] = est
+        cols = " ".join(f"{k.removeprefix('tau/')} {v:.3f}" for k, v in est.items() if k.startswith("tau/"))
+        line = (
+            f"{path}: offline tau {est['tau']:.3f} ({cols}; {est['anchors']} anchors, {est['offline_s']} s)"
+        )
+        if args.real:
+            line += f"; real loop tau {est['real_tau']:.3f} ({est['real_eval_s']:.0f} s)"
+        print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The offline acceptance estimate (`flashdraft.acceptance`) against the real decode loop: on the target's
+own greedy output, the anchors it walks and the tokens it commits at each must be the loop's, step for step."""
+
+import pytest
+import torch
+from conftest import make_draft, make_hf_model
+
+from flashdraft import DFlashProposer, Target
+from flashdraft.acceptance import acceptance_lengths, greedy_references, offline_tau, walk
+from flashdraft.decode import GenerationConfig, generate
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.set_num_threads(1)
+    # A small vocabulary so that a random draft is right often enough to make multi-token commits.
+    target = Target(make_hf_model("qwen3", vocab=8, layers=4, seed=3))
+    draft = make_draft(target.model, layers=2, block_size=5, mask_token_id=7)
+    with torch.no_grad():  # initialised like the target, so its drafts depend on the context
+        for p in draft.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+    return target, draft
+
+
+def test_offline_walk_is_the_real_loop_step_for_step(setup):
+    target, draft = setup
+    g = torch.Generator().manual_seed(0)
+    proposer = DFlashProposer(draft, target, proposal="greedy")
+    refs, seen = [], []
+    for i in range(6):
+        prompt = torch.randint(0, 7, (3 + i,), generator=g).tolist()
+        res = generate(
+            target, prompt, proposer, GenerationConfig(max_new_tokens=30, block_size=5, stop_ids=[])
+        )
+        lengths = acceptance_lengths(draft, target, prompt, res.tokens, chunk=7)
+        assert walk(lengths) == res.acceptance_lengths
+        refs.append({"set": "x" if i % 2 else "y", "prompt_ids": prompt, "response_ids": res.tokens})
+        seen += res.acceptance_lengths
+    assert max(seen) >= 2 and min(seen) == 1  # accepted drafts and zero acceptance both occurred
+    est = offline_tau(draft, target, refs)
+    assert est["tau"] == pytest.approx(sum(seen) / len(seen))
+    assert est["anchors"] == sum(len(r["response_ids"]) - 1 for r in refs)
+    assert set(est) >= {"tau/x", "tau/y", "tau_all", "tau_all/x"}
+
+
+def test_greedy_references_are_plain_greedy_decoding(setup):
+    target, _ = setup
+    prompts = [[1, 2, 3], [4, 5, 6, 1, 2], [0]]
+    refs = greedy_references(target, {"a": prompts[:2], "b": prompts[2:]}, 12)
+    assert [r["set"] for r in refs] == ["a", "a", "b"]
+    for r, p in zip(refs, prompts, strict=True):
+        alone = generate(target, p, None, GenerationConfig(max_new_tokens=12, stop_ids=target.stop_ids))
+        assert r["prompt_ids"] == p and r["response_ids"] == alone.tokens
