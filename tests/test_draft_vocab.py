@@ -17,14 +17,6 @@ from flashdraft.draft import VOCAB_NAME, DraftError
 from flashdraft.sampling import probs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def widened(draft):
     """Initialised like the targets, so that drafts depend on the context and spread over tokens."""
     with torch.no_grad():

@@ -20,14 +20,6 @@ from flashdraft.datagen import _chat_ids
 EOS = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus") / "target"
