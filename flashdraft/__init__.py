@@ -4,19 +4,20 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from .batch import BatchDecoder, StepOutput, generate_batch  # noqa: E402
-from .decode import GenerationConfig, GenerationResult, generate  # noqa: E402
+from .decode import GenerationConfig, GenerationResult, generate, generate_batch  # noqa: E402
 from .draft import DFlashDraft, DraftConfig, DraftError  # noqa: E402
+from .engine import Engine, StepOutput  # noqa: E402
+from .models import load_target  # noqa: E402
 from .proposers import DFlashProposer, NgramProposer, Proposer  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
-from .target import Target, TargetError, load_target  # noqa: E402
+from .target import Target, TargetError  # noqa: E402
 
 __all__ = [
-    "BatchDecoder",
     "DFlashDraft",
     "DFlashProposer",
     "DraftConfig",
     "DraftError",
+    "Engine",
     "GenerationConfig",
     "GenerationResult",
     "NgramProposer",

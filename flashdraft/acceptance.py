@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .decode import GenerationConfig
-from .draft import DFlashDraft, _atomic_write
+from .decode import GenerationConfig, generate_batch
+from .draft import DFlashDraft
+from .files import write_text
 from .target import Target
+from .train_loss import build_batch, draft_hidden, target_features
 
 
 def greedy_references(
@@ -29,8 +31,6 @@ def greedy_references(
 ) -> list[dict]:
     """The target's own greedy continuation of each prompt (plain decoding through the batched
     decoder, cut at a stop id), as records with `set`, `prompt_ids` and `response_ids`."""
-    from .batch import generate_batch
-
     items = [(name, p) for name, group in prompts.items() for p in group if len(p) < target.max_length]
     configs = [
         GenerationConfig(
@@ -48,7 +48,7 @@ def greedy_references(
 
 
 def write_references(records: list[dict], path: str | os.PathLike) -> None:
-    _atomic_write(Path(path), lambda p: Path(p).write_text("".join(json.dumps(r) + "\n" for r in records)))
+    write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def read_references(path: str | os.PathLike) -> list[dict]:
@@ -69,8 +69,6 @@ def acceptance_lengths(
 
     The anchor at p sees target features of positions < p, exactly the training layout (whose equality
     with the inference forward is tested). Anchors go through the draft `chunk` at a time."""
-    from .train import build_batch, draft_hidden, target_features
-
     b = draft.config.block_size
     ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
     n_prompt, n = len(prompt_ids), ids.numel()
@@ -78,14 +76,13 @@ def acceptance_lengths(
         return torch.zeros(0, dtype=torch.long)
     mask = torch.zeros(n, dtype=torch.bool)
     mask[n_prompt:] = True
-    target.select_layers(list(draft.config.target_layer_ids))
     everything = torch.arange(n_prompt, n - 1)
     feats = None
     out = []
     for part in everything.split(chunk):
         batch = build_batch([(ids, mask)], [part], b, draft.config.mask_token_id, 1.0).to(target.device)
         if feats is None:
-            feats = target_features(target, batch)
+            feats = target_features(target, batch, draft.config.target_layer_ids)
         hidden = draft_hidden(draft, target, batch, draft.fc.weight.dtype, feats)
         guess = (
             draft.propose_logits(hidden.to(target.dtype), target.lm_head).argmax(-1).view(-1, b)[:, 1:].cpu()

@@ -8,6 +8,8 @@ from prompt to prompt), so machine drift and other people's jobs hit all methods
 - `hf-prompt-lookup`: transformers prompt-lookup decoding (`prompt_lookup_num_tokens`);
 - `ngram`: prompt lookup (`NgramProposer`) inside our verifier;
 - `dflash-bB`: our loop with the DFlash draft at block size B;
+- `adaptive`: DFlash and n-gram lookup behind `AdaptiveProposer` (per step: draft or not, and where to
+  cut the block, from measured costs and acceptance);
 - `reference-bB`: the authors' loop (`dflash.model.dflash_generate`, PyPI `dflash==0.1.0`) with the
   same draft and target;
 - `hf-dflash-bB`: transformers' built-in DFlash assisted generation (`speculation_type="dflash"`),
@@ -52,16 +54,19 @@ from pathlib import Path
 
 import torch
 
+from .adaptive import AdaptiveProposer
 from .decode import GenerationConfig, generate
 from .draft import DFlashDraft
+from .export import hf_dflash_assistant
 from .proposers import DFlashProposer, NgramProposer
 from .sampling import SamplingConfig
+from .sequence import Row
 from .target import DTYPES, Target, cpu_has_fast_bf16
 
 # gsm-symbolic-eval: the held-out gsm-symbolic problems (a seed that `gsm-symbolic`, the training
 # side, refuses); ShareGPT's eval split is held out by prompt hash.
 DEFAULT_DATASETS = ("mt-bench", "humaneval", "gsm-symbolic-eval", "sharegpt-eval")
-KINDS = ("plain", "hf-generate", "hf-prompt-lookup", "ngram", "dflash", "reference", "hf-dflash")
+KINDS = ("plain", "hf-generate", "hf-prompt-lookup", "ngram", "dflash", "adaptive", "reference", "hf-dflash")
 
 
 class BenchError(ValueError):
@@ -253,62 +258,6 @@ def _reference(target: Target, ref_draft, block_size: int, bc: BenchConfig, stop
     return run
 
 
-def hf_dflash_assistant(draft: DFlashDraft, target: Target):
-    """Our draft as transformers' DFlash assistant (transformers 5.24: `MuseGlimmerAssistantModel`,
-    used by `generate(..., speculation_type="dflash")`), or (None, reason) when that is not a pure
-    renaming.
-
-    The layers are the same (Qwen3-style, KV injection, non-causal block, final norm); the only
-    differences are names: `fc` -> `encoder.fc`, `hidden_norm` -> `encoder.output_norm_enc`, and
-    `rope_theta` -> `rope_parameters`. transformers embeds the block with the target's embedding
-    module and applies only the target's LM head, so drafts with an embedding scale, an output
-    multiplier or logit soft-capping, and targets whose embedding module scales its output (Gemma),
-    would compute something else: those are refused with the reason."""
-    try:
-        from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
-    except ImportError:
-        return None, (
-            "this transformers has no DFlash assistant model (MuseGlimmerAssistantModel); "
-            "transformers 5.24 has one"
-        )
-    c = draft.config
-    extras = sorted(set(c.extra) & {"input_embedding_scale", "output_multiplier", "final_logit_softcapping"})
-    if extras:
-        return None, f"not a pure renaming: the draft config has {extras}, which transformers' DFlash ignores"
-    emb = target.model.get_input_embeddings()
-    if type(emb) is not torch.nn.Embedding:
-        return None, (
-            f"not a pure renaming: the target's embedding module is {type(emb).__name__} (it scales or "
-            "normalises its output), while DFlash drafts read raw embedding rows"
-        )
-    if c.rope_scaling:
-        return None, "not a pure renaming: the draft uses rope_scaling"
-    cfg = MuseGlimmerAssistantConfig(
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        max_position_embeddings=c.max_position_embeddings,
-        sliding_window=c.sliding_window or c.max_position_embeddings,  # unused without sliding layers
-        layer_types=list(c.layer_types),
-        block_size=c.block_size,
-        mask_token_id=c.mask_token_id,
-        target_layer_ids=list(c.target_layer_ids),
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    model = MuseGlimmerAssistantModel(cfg)
-    rename = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
-    model.load_state_dict({rename.get(k, k): v for k, v in draft.state_dict().items()}, strict=True)
-    param = next(draft.parameters())
-    return model.to(device=param.device, dtype=param.dtype).eval(), None
-
-
 def build_methods(
     target: Target, draft: DFlashDraft, bc: BenchConfig, stop_ids, workdir: Path
 ) -> list[Method]:
@@ -335,6 +284,12 @@ def build_methods(
         proposer = DFlashProposer(draft, target)
         for b in bc.block_sizes:
             ms.append(Method(f"dflash-b{b}", "dflash", b, _ours(target, proposer, b, bc, stop_ids), note(b)))
+    if "adaptive" in want:  # DFlash and n-gram lookup, cut and skipped by the measured costs
+        proposer = AdaptiveProposer(
+            DFlashProposer(draft, target),
+            NgramProposer(max_ngram=bc.ngram_max, min_ngram=1, block_size=trained),
+        )
+        ms.append(Method("adaptive", "adaptive", trained, _ours(target, proposer, trained, bc, stop_ids)))
     if "reference" in want:
         ref, reason = None, ""
         try:
@@ -413,6 +368,33 @@ def summarize_runs(runs: list[Run], block_size: int) -> dict:
         out["verify_s"] = sum(r.verify_s for r in runs)
         out["step_s"] = sum(r.step_s for r in runs)
     return out
+
+
+def bootstrap_ci(
+    plain: list[Run], runs: list[Run], idx: list[int], n: int = 1000, seed: int = 0
+) -> tuple[list[float], list[float]]:
+    """95% intervals of speedup (against plain) and tau, by resampling the prompts with replacement: how
+    much the numbers could move with other prompts of the same kind. Ratios of sums, like the point values."""
+    if len(idx) < 2:
+        return [float("nan")] * 2, [float("nan")] * 2
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.tensor(idx)[torch.randint(len(idx), (n, len(idx)), generator=g)]
+
+    def sums(rs: list[Run], field) -> torch.Tensor:
+        values = torch.tensor([float(field(r)) for r in rs], dtype=torch.float64)
+        return values[picks].sum(1)
+
+    tokens = sums(runs, lambda r: sum(r.lengths))
+    speedup = (sums(plain, lambda r: r.decode_s) / sums(plain, lambda r: sum(r.lengths))) / (
+        sums(runs, lambda r: r.decode_s) / tokens
+    )
+    tau = tokens / sums(runs, lambda r: len(r.lengths)).clamp(min=1)
+
+    def interval(x: torch.Tensor) -> list[float]:
+        x = x[torch.isfinite(x)]
+        return [float(x.quantile(0.025)), float(x.quantile(0.975))] if x.numel() else [float("nan")] * 2
+
+    return interval(speedup), interval(tau)
 
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -550,8 +532,9 @@ def summarize(
                 s["equal_to_plain"] = sum(d is None for d in diffs)
                 s["mismatches"] = len(diffs) - s["equal_to_plain"]
         plain = rows["plain"]["time_per_token_s"]
-        for s in rows.values():
+        for name, s in rows.items():
             s["speedup"] = _div(plain, s["time_per_token_s"])
+            s["speedup_ci"], s["tau_ci"] = bootstrap_ci(runs["plain"], runs[name], idx)
         summary[ds] = rows
     results = {
         "datasets": datasets,
@@ -600,44 +583,44 @@ def calibrate(
     filler. Everything else a real step does (acceptance, commit, crops, feature hand-over) is left
     out: that is what the efficiency of the cost model charges the loop for."""
     proposer = DFlashProposer(draft, target)
-    target.select_layers(proposer.feature_layers)
+    layers = proposer.feature_layers
     n, top = len(seq), max(block_sizes)
-    tokens = torch.tensor([list(seq) + [seq[-1]] * top], device=target.device)
-    pos = torch.arange(n + top, device=target.device)[None]
+    tokens = torch.tensor([list(seq) + [seq[-1]] * (top + reps * len(block_sizes))], device=target.device)
+    pos = torch.arange(tokens.shape[1], device=target.device)[None]
     cache = target.new_cache()
-    _, feats = target.forward(tokens[:, : n - 1], pos[:, : n - 1], cache, logits_to_keep=1, features=True)
-    proposer.start(feats)
-    proposer.propose(tokens[:, :n], top - 1, SamplingConfig())  # the context enters the draft cache, untimed
+    _, feats = target.forward(tokens[:, : n - 1], pos[:, : n - 1], cache, logits_to_keep=1, features=layers)
+    # The draft sees the context as in decoding: the prompt joins, then one committed token per call.
+    row = Row("calibrate", list(seq[:-1]), GenerationConfig(), top, None, tokens=[seq[-1]])
+    proposer.join([row], [feats[0]])
+    proposer.propose([row], [top - 1])  # the context enters the draft cache, untimed
 
-    def median(fn) -> float:
+    def median(fn, before=None) -> float:
         times = []
         for _ in range(reps):
+            if before:
+                before()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
             target.crop(cache, n - 1)
         return sorted(times)[len(times) // 2]
 
-    def verify(b: int, features: bool):
+    def verify(b: int, features: list[int] | None):
         return lambda: target.forward(
             tokens[:, n - 1 : n - 1 + b], pos[:, n - 1 : n - 1 + b], cache, features=features
         )
 
-    def draft_call(b: int):
-        def fn():
-            proposer.propose(tokens[:, :n], b - 1, SamplingConfig())
-            proposer.cache.crop(n - 2)  # hand the last context token back, so the next call reads one too
-            proposer.pending = feats[:, -1:]
+    def commit_one():  # the last call's anchor is committed: one new context token for the next call
+        proposer.accept(feats[:, -1:], [1])
+        row.tokens.append(seq[-1])
 
-        return fn
-
-    proposer.cache.crop(n - 2)
-    proposer.pending = feats[:, -1:]
     return {
         "context_tokens": n,
-        "c_step_s": median(verify(1, False)),
-        "c_verify_s": {b: median(verify(b, True)) for b in block_sizes},
-        "c_draft_s": {b: median(draft_call(b)) for b in block_sizes},
+        "c_step_s": median(verify(1, None)),
+        "c_verify_s": {b: median(verify(b, layers)) for b in block_sizes},
+        "c_draft_s": {
+            b: median(lambda b=b: proposer.propose([row], [b - 1]), commit_one) for b in block_sizes
+        },
     }
 
 
@@ -884,6 +867,13 @@ def _f(x, fmt: str = ".2f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
+def _ci(ci) -> str:
+    """ " [lo, hi]" for a bootstrap interval over prompts, "" when there is none (fewer than 2 prompts)."""
+    if not ci or any(v is None or not math.isfinite(v) for v in ci):
+        return ""
+    return f" [{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
 def _pct(x, fmt: str = ".0f") -> str:
     return "n/a" if x is None or not math.isfinite(x) else format(100 * x, fmt) + "%"
 
@@ -925,18 +915,17 @@ def render_markdown(r: dict) -> str:
             rows.append(
                 [
                     name,
-                    _f(x["tau"]),
+                    _f(x["tau"]) + _ci(x.get("tau_ci")),
                     _f(x["tokens_per_s"], ".1f"),
                     _f(1e3 * x["time_per_token_s"] if x["decode_tokens"] else None, ".1f"),
-                    _f(x["speedup"]),
+                    _f(x["speedup"]) + _ci(x.get("speedup_ci")),
                     _f(1e3 * x["ttft_s"], ".0f"),
                     eq,
                 ]
             )
         lines += [f"## {ds}", ""]
-        lines += _table(
-            ["method", "tau", "decode tok/s", "ms/token", "speedup", "TTFT ms", "equal to plain"], rows
-        )
+        header = ["method", "tau [95% CI]", "decode tok/s", "ms/token", "speedup [95% CI]", "TTFT ms"]
+        lines += _table([*header, "equal to plain"], rows)
         lines.append("")
     lines += [
         "## Acceptance",
@@ -1089,6 +1078,24 @@ def render_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _colors(names: list[str]) -> dict:
+    """One hue per family of methods (ours with the draft, n-gram lookup, the reference and transformers'
+    DFlash, baselines), shades within a family: few colours, related methods alike."""
+    import matplotlib.pyplot as plt
+
+    families = {"dflash-": "Blues", "adaptive": "Greens", "ngram": "Oranges", "hf-prompt-lookup": "Oranges"}
+    families |= {"reference-": "Purples", "hf-dflash-": "Purples", "hf-generate": "Greys", "plain": "Greys"}
+    members: dict[str, list[str]] = {}
+    for n in names:
+        fam = next((cmap for prefix, cmap in families.items() if n.startswith(prefix)), "Greys")
+        members.setdefault(fam, []).append(n)
+    out = {}
+    for fam, ns in members.items():
+        for i, n in enumerate(ns):
+            out[n] = plt.get_cmap(fam)(0.45 + 0.45 * (i + 1) / (len(ns) + 1))
+    return out
+
+
 def plot(r: dict, out_dir: Path) -> None:
     import matplotlib
 
@@ -1097,16 +1104,23 @@ def plot(r: dict, out_dir: Path) -> None:
 
     datasets = r["datasets"]
     names = [x["name"] for x in r["methods"] if x["available"]]
-    colors = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
+    colors = _colors(names)
 
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(datasets) * max(1, len(names)) / 4), 4.8))
-    width = 0.8 / len(names)
-    for j, n in enumerate(names):
-        ys = [r["summary"][ds][n]["speedup"] for ds in [*datasets, "all"]]
-        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(ys))]
-        ax.bar(
-            xs, [y if y is not None and math.isfinite(y) else 0 for y in ys], width, label=n, color=colors[n]
-        )
+    bars = [n for n in names if n != "plain"]  # plain is the dashed line at 1
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(datasets) * max(1, len(bars)) / 4), 4.8))
+    width = 0.8 / max(1, len(bars))
+    for j, n in enumerate(bars):
+        rows = [r["summary"][ds][n] for ds in [*datasets, "all"]]
+        ys = [x["speedup"] if x["speedup"] is not None and math.isfinite(x["speedup"]) else 0 for x in rows]
+        cis = [x.get("speedup_ci") or [None, None] for x in rows]
+        ok = [lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi) for lo, hi in cis]
+        pairs = list(zip(ys, cis, ok, strict=True))
+        err = [
+            [max(0.0, y - lo) if good else 0 for y, (lo, _), good in pairs],
+            [max(0.0, hi - y) if good else 0 for y, (_, hi), good in pairs],
+        ]
+        xs = [i + (j - (len(bars) - 1) / 2) * width for i in range(len(ys))]
+        ax.bar(xs, ys, width, label=n, color=colors[n], yerr=err, capsize=2, error_kw={"lw": 0.8})
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(range(len(datasets) + 1), [*datasets, "all"])
     ax.set_ylabel("speedup over plain decoding (time per token)")
@@ -1121,7 +1135,7 @@ def plot(r: dict, out_dir: Path) -> None:
     spec = [
         n
         for n in names
-        if n.startswith(("dflash-", "ngram", "hf-prompt-lookup"))
+        if n.startswith(("dflash-", "ngram", "hf-prompt-lookup", "adaptive"))
         and len(r["summary"]["all"][n]["histogram"]) > 1
     ]
     panels = [*datasets, "all"]
@@ -1156,7 +1170,11 @@ def plot(r: dict, out_dir: Path) -> None:
             ax.set_title(ds)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
-            ax.set_ylim(0, 1.02)
+            if key == "histogram":  # most steps commit one token: a log axis shows the long tail
+                ax.set_yscale("log")
+                ax.set_ylim(1e-3, 1.05)
+            else:
+                ax.set_ylim(0, 1.02)
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(panels) :]:
             ax.axis("off")
@@ -1202,7 +1220,14 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--draft", required=True, help="DFlash draft directory")
     p.add_argument("--datasets", default=",".join(DEFAULT_DATASETS), help="comma-separated data set names")
-    p.add_argument("--samples", type=int, default=2, help="prompts per data set (the first N)")
+    p.add_argument(
+        "--samples",
+        "--prompts",
+        dest="samples",
+        type=int,
+        default=2,
+        help="prompts per data set (the first N)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against plain)"
@@ -1226,13 +1251,15 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it"
     )
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     p.add_argument("--out", required=True, help="output directory (results.json, results.md, plots)")
     p.add_argument("--no-progress", action="store_true")
 
 
 def main_from_args(args) -> int:
+    from .models import load_target, local_dir
     from .sampling import SamplingConfig
-    from .target import load_target, resolve_dtype
+    from .target import resolve_device, resolve_dtype
 
     try:
         block_sizes = tuple(int(b) for b in _csv(args.block_sizes))
@@ -1253,9 +1280,10 @@ def main_from_args(args) -> int:
     config.validate()
     if args.samples < 1:
         raise BenchError(f"--samples must be >= 1, got {args.samples}")
-    dtype = resolve_dtype(args.dtype)
-    target = load_target(args.target, dtype)
-    draft = DFlashDraft.from_pretrained(args.draft, dtype=dtype, device=target.device)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    target = load_target(args.target, dtype, str(device))
+    draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=dtype, device=target.device)
     prompts = load_prompts(target, _csv(args.datasets), args.samples)
     command = "flashdraft " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else ""
     results = run_bench(

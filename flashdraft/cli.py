@@ -10,16 +10,17 @@ import torch
 
 from .decode import GenerationConfig, generate
 from .draft import DFlashDraft, DraftError, init_draft_config
+from .models import load_target, local_dir
 from .proposers import DFlashProposer
 from .sampling import SamplingConfig
-from .target import DTYPES, Target, TargetError, load_target, resolve_dtype
+from .target import DTYPES, Target, TargetError, resolve_device, resolve_dtype
 
 
 def _ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise SystemExit(f"error: expected comma-separated integers, got {text!r}") from None
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _prompt_ids(args, target: Target) -> list[int]:
@@ -27,15 +28,16 @@ def _prompt_ids(args, target: Target) -> list[int]:
         return _ids(args.prompt_ids)
     tok = target.tokenizer
     if tok is None:
-        raise SystemExit("error: this target has no tokenizer; pass --prompt-ids instead of --prompt")
+        raise ValueError("this target has no tokenizer; pass --prompt-ids instead of --prompt")
     if args.chat:
         if not getattr(tok, "chat_template", None):
-            raise SystemExit("error: --chat needs a tokenizer with a chat template; drop --chat")
+            raise ValueError("--chat needs a tokenizer with a chat template; drop --chat")
         ids = tok.apply_chat_template(
             [{"role": "user", "content": args.prompt}],
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
+            **args.chat_template_kwargs,
         )
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return tok(args.prompt, add_special_tokens=True)["input_ids"]
@@ -58,13 +60,34 @@ class _TextStream:
             self.shown = text
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not JSON ({e}): pass an object such as '{{\"enable_thinking\": false}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+BF16_NOTE = (
+    "note: in {dtype}, a verify pass over a block and a one-token step round differently, so greedy output "
+    "can differ from plain decoding after a near-tie (README, Lossless); --dtype float32 makes them equal"
+)
+
+
 def cmd_generate(args) -> int:
-    dtype = resolve_dtype(args.dtype)
-    target = load_target(args.target, dtype)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    target = load_target(args.target, dtype, str(device))
     proposer = None
     if args.draft:
-        draft = DFlashDraft.from_pretrained(args.draft, dtype=dtype)
+        draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=dtype, device=device)
         proposer = DFlashProposer(draft, target, proposal=args.proposal)
+        if dtype in (torch.bfloat16, torch.float16) and (args.block_size or 2) > 1:
+            print(BF16_NOTE.format(dtype=str(dtype).removeprefix("torch.")), file=sys.stderr)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     stop_ids = [] if args.ignore_eos else target.stop_ids
     cfg = GenerationConfig(args.max_new_tokens, args.block_size, sampling, stop_ids, args.seed)
@@ -89,13 +112,16 @@ def cmd_generate(args) -> int:
                     "verify_s": sum(res.verify_s),
                     "bookkeeping_s": res.bookkeeping_s,
                     "stop_reason": res.stop_reason,
+                    "device": str(device),
+                    "dtype": str(dtype).removeprefix("torch."),
                 }
             )
         )
     else:
         print(
             f"\n\n[{len(res.tokens)} tokens, tau {res.tau:.2f}, {res.tokens_per_s:.1f} tokens/s, "
-            f"prefill {res.prefill_s * 1e3:.0f} ms, stop: {res.stop_reason}]",
+            f"prefill {res.prefill_s * 1e3:.0f} ms, stop: {res.stop_reason}; {device}, "
+            f"{str(dtype).removeprefix('torch.')}]",
             file=sys.stderr,
         )
     return 0
@@ -119,6 +145,20 @@ def cmd_init_draft(args) -> int:
     print(
         f"wrote {args.out}: {args.layers} layers, block {cfg.block_size}, target layers {cfg.target_layer_ids}, "
         f"mask {mask}, {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters"
+    )
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import export_transformers
+
+    draft = DFlashDraft.from_pretrained(local_dir(args.draft))  # exported in the dtype it was saved in
+    target = load_target(args.target, next(draft.parameters()).dtype)
+    out = export_transformers(draft, target, args.out)
+    print(
+        f"wrote {out}: transformers' DFlash assistant model; use it as "
+        f"MuseGlimmerAssistantModel.from_pretrained({str(out)!r}) with "
+        "generate(..., assistant_model=assistant, speculation_type='dflash')"
     )
     return 0
 
@@ -168,12 +208,9 @@ def cmd_datagen(args) -> int:
 
 
 def cmd_pack_data(args) -> int:
-    from .datagen import DataGenError, pack
+    from .datagen import pack
 
-    try:
-        info = pack(args.sources, args.out)
-    except DataGenError as e:
-        raise SystemExit(f"error: {e}") from None
+    info = pack(args.sources, args.out)  # a DataGenError is a ValueError: main prints it, exit code 2
     print(
         f"packed {info['records']} records ({info['tokens']} tokens, {info['response_tokens']} response) "
         f"into {args.out}: {info['bytes']} bytes"
@@ -182,7 +219,8 @@ def cmd_pack_data(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .train import TrainConfig, train
+    from .train import train
+    from .train_config import TrainConfig
 
     train(TrainConfig.from_args(args))
     return 0
@@ -212,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the target's chat template")
+    g.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object,
+        default={},
+        help="JSON options for the chat template, e.g. '{\"enable_thinking\": false}' (match the draft's data)",
+    )
+    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--block-size", type=int, default=None, help="default: the draft's; 1 = plain decoding")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -248,6 +293,15 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     i.add_argument("--out", required=True)
     i.set_defaults(func=cmd_init_draft)
+
+    x = sub.add_parser("export", help="write a draft in another engine's format (transformers' DFlash)")
+    x.add_argument("--to", choices=["transformers"], required=True, help="the format to write")
+    x.add_argument("draft", help="the draft directory")
+    x.add_argument("out", help="the directory to write")
+    x.add_argument(
+        "--target", required=True, help="the draft's target: built-in name, a .gguf file or a local HF model"
+    )
+    x.set_defaults(func=cmd_export)
 
     m = sub.add_parser(
         "models", help="list the built-in target names and whether they are installed / cached"
@@ -291,7 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: bf16 where the hardware has it, else float32",
     )
-    d.add_argument("--device", default="cpu", help="cpu or cuda (local target)")
+    d.add_argument(
+        "--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N] (local target)"
+    )
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_datagen)
 
@@ -324,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
+    p.verbs = sub.choices
     for verb in sub.choices.values():  # every verb's --help shows the defaults that mean something
         for a in verb._actions:
             if (
@@ -336,7 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Exit codes: 0 done; 2 the command line or its inputs are wrong (usage, files, models, values), with
+    one line saying what and how to fix it; anything else is a bug and shows its traceback."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the verb's own usage, not the top-level one
+        parser.verbs[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except (DraftError, TargetError, ValueError) as e:

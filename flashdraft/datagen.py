@@ -33,10 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .files import atomic_write, write_json
+
 log = logging.getLogger("flashdraft")
 
 FORMAT = 1  # bump when the record layout changes
 RECORD_KEYS = ("id", "dataset", "prompt_ids", "response_ids", "loss_mask", "finish")
+TOKEN_KEYS = ("prompt_ids", "response_ids", "loss_mask")  # all a training record needs
 FINISH = ("stop", "length")
 # Settings that change what the records contain: a file may only be continued with the same ones.
 # (flag for the error message, meta key)
@@ -73,7 +76,7 @@ class DatagenConfig:
     endpoint: str | None = None
     model: str | None = None  # the model name sent to the endpoint (default: the target name)
     dtype: str = "auto"
-    device: str = "cpu"  # or "cuda": where the local target runs
+    device: str = "auto"  # where the local target runs: auto (CUDA when present), cpu or cuda[:N]
     progress: bool = True
     timeout_s: float = 600.0  # per endpoint request
 
@@ -125,16 +128,17 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def record_problem(rec: Any, vocab_size: int | None = None) -> str | None:
-    """What is wrong with one record, or None when it is well-formed."""
+def record_problem(rec: Any, vocab_size: int | None = None, complete: bool = True) -> str | None:
+    """What is wrong with one record, or None when it is well-formed. `complete=False` (training data
+    made by hand) asks only for the token lists and the mask; id, dataset and finish are then optional."""
     if not isinstance(rec, dict):
         return "not a JSON object"
-    missing = [k for k in RECORD_KEYS if k not in rec]
+    missing = [k for k in RECORD_KEYS if k not in rec and (complete or k in TOKEN_KEYS)]
     if missing:
         return f"missing key(s) {', '.join(missing)}"
-    if not isinstance(rec["id"], str) or not rec["id"]:
+    if "id" in rec and (not isinstance(rec["id"], str) or not rec["id"]):
         return "id is not a non-empty string"
-    if not isinstance(rec["dataset"], str):
+    if "dataset" in rec and not isinstance(rec["dataset"], str):
         return "dataset is not a string"
     for key in ("prompt_ids", "response_ids", "loss_mask"):
         if not isinstance(rec[key], list) or not all(_is_int(t) for t in rec[key]):
@@ -144,7 +148,7 @@ def record_problem(rec: Any, vocab_size: int | None = None) -> str | None:
         return f"loss_mask has {len(rec['loss_mask'])} entries, prompt + response have {n}"
     if any(m not in (0, 1) for m in rec["loss_mask"]):
         return "loss_mask holds values other than 0 and 1"
-    if rec["finish"] not in FINISH:
+    if "finish" in rec and rec["finish"] not in FINISH:
         return f"finish is {rec['finish']!r}, not one of {', '.join(FINISH)}"
     ids = rec["prompt_ids"] + rec["response_ids"]
     if ids and min(ids) < 0:
@@ -171,24 +175,35 @@ def make_record(
     }
 
 
-def read_records(path: str | os.PathLike, vocab_size: int | None = None) -> Iterator[dict]:
-    """The validated records of a datagen file, in file order.
+def read_records(
+    path: str | os.PathLike, vocab_size: int | None = None, complete: bool = True
+) -> Iterator[dict]:
+    """The validated records of a datagen file (JSONL, or a `pack`ed .npz), in file order: the one reader
+    of training records.
 
     Every line must be a well-formed record (keys, integer ids, mask length, ids < `vocab_size` when
     given) with an id not seen before in the file; otherwise DataGenError names the line, the record
-    and the fix. An unterminated last line is what an interrupted datagen leaves: it is skipped with
-    a warning (rerunning datagen on the file repairs it)."""
+    and the fix. With `complete=False` (hand-made training files) only the token lists and the mask are
+    required; a missing id becomes FILE:LINE. An unterminated last line is what an interrupted datagen
+    leaves: it is skipped with a warning (rerunning datagen on the file repairs it)."""
     path = Path(path)
     if not path.is_file():
         raise DataGenError(f"data file {path} not found: make one with `flashdraft datagen --out {path}`")
+    if path.suffix == ".npz":
+        yield from read_packed(path, vocab_size)
+        return
     seen: set[str] = set()
     with path.open("rb") as f:
         for n, raw in enumerate(f, 1):
             if not raw.endswith(b"\n"):
                 log.warning("flashdraft: %s ends with a partial line (an interrupted datagen); skipped", path)
                 return
+            if not complete and not raw.strip():
+                continue
             rec = _parse_line(path, n, raw)
-            problem = record_problem(rec, vocab_size)
+            problem = record_problem(rec, vocab_size, complete)
+            if problem is None and not complete:
+                rec.setdefault("id", f"{path.name}:{n}")
             if problem is None and rec["id"] in seen:
                 problem = "a second record with this id"
             if problem is not None:
@@ -293,12 +308,6 @@ def _lock(path: Path):
     return fd
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _check_meta(out: Path, old: dict, new: dict) -> None:
     bad = [(flag, key) for flag, key in MATCHED if old.get(key) != new.get(key)]
     if old.get("format") != new["format"]:
@@ -388,7 +397,8 @@ def _load_tokenizer_only(spec: str):
     from transformers import AutoTokenizer
 
     from . import models
-    from .target import TargetError, load_target
+    from .models import load_target
+    from .target import TargetError
 
     path = None
     if spec in models.MODELS:
@@ -432,15 +442,15 @@ def _generate_local(target, prompts: list[_Prompt], cfg: DatagenConfig, emit: Ca
     finished rows until the longest one ends). Only our sampling settings apply, so the draft
     learns the plain distribution it will be verified against; each prompt samples from its own
     seed, so its answer does not depend on its batch-mates."""
-    from .batch import BatchDecoder
-    from .decode import GenerationConfig
+    from .engine import Engine
     from .sampling import SamplingConfig
+    from .sequence import GenerationConfig
 
     greedy = cfg.temperature <= 0
     sampling = (
         SamplingConfig() if greedy else SamplingConfig(cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     )
-    decoder = BatchDecoder(target, block_size=1, max_batch_size=cfg.batch_size)
+    decoder = Engine(target, block_size=1, max_batch_size=cfg.batch_size)
     # Long prompts first: a batch that does not fit in memory fails at once, not hours in.
     by_id = {p.id: p for p in sorted(prompts, key=lambda p: -len(p.prompt_ids))}
     for p in by_id.values():
@@ -570,10 +580,13 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise DataGenError("need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
 
-    from .target import resolve_dtype
+    from .target import TargetError, resolve_device, resolve_dtype
 
     try:  # "auto" is resolved here, so the meta file records what actually ran
+        cfg.device = str(resolve_device(cfg.device))
         cfg.dtype = str(resolve_dtype(cfg.dtype, cfg.device)).removeprefix("torch.")
+    except TargetError as e:
+        raise DataGenError(str(e)) from None
     except ValueError as e:
         raise DataGenError(f"--dtype: {e}") from None
     datasets = [d.strip() for d in cfg.datasets if d.strip()]
@@ -600,7 +613,8 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
             target = None
             tokenizer, stop_ids = _load_tokenizer_only(cfg.target)
         else:
-            from .target import cpu_has_fast_bf16, load_target
+            from .models import load_target
+            from .target import cpu_has_fast_bf16
 
             if cfg.dtype == "bfloat16" and cfg.device == "cpu" and not cpu_has_fast_bf16():
                 log.warning(
@@ -648,7 +662,7 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
                 os.fsync(f.fileno())
             summary.repaired_bytes = partial
             log.warning("flashdraft: dropped a partial last line (%d bytes) of %s", partial, out)
-        _write_json_atomic(meta_path(out), meta)
+        write_json(meta_path(out), meta)
 
         todo = [p for p in prompts if p.id not in done]
         summary.skipped = len(prompts) - len(todo)
@@ -735,15 +749,20 @@ def pack(sources: Sequence[str | os.PathLike], out: str | os.PathLike) -> dict:
     header = {"format": PACKED_FORMAT, "ids": ids, "datasets": [r["dataset"] for r in records], "meta": metas}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.npz")
-    np.savez_compressed(
-        tmp,
-        tokens=np.asarray(tokens, dtype=dtype),
-        lengths=np.asarray([[len(r["prompt_ids"]), len(r["response_ids"])] for r in records], dtype=np.int32),
-        finish=np.asarray([FINISH.index(r["finish"]) for r in records], dtype=np.uint8),
-        header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
-    )
-    os.replace(tmp, out)
+    arrays = {
+        "tokens": np.asarray(tokens, dtype=dtype),
+        "lengths": np.asarray(
+            [[len(r["prompt_ids"]), len(r["response_ids"])] for r in records], dtype=np.int32
+        ),
+        "finish": np.asarray([FINISH.index(r.get("finish", "stop")) for r in records], dtype=np.uint8),
+        "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+    }
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:  # a file object: numpy would add .npz to a name
+            np.savez_compressed(f, **arrays)
+
+    atomic_write(out, write)
     n_resp = sum(len(r["response_ids"]) for r in records)
     return {
         "records": len(records),

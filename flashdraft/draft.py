@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -23,6 +22,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from .files import atomic_write
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -301,6 +302,8 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(self.layer_idx, k, v)
+        if isinstance(mask, dict):  # batched inference: one mask per layer type
+            mask = mask["sliding_attention" if self.window is not None else "full_attention"]
         if blocks:
             out = block_attention(q, k, v, c_len, mask, blocks, self.head_dim**-0.5)
             return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
@@ -402,7 +405,9 @@ class DFlashDraft(nn.Module):
         block_embeds: (B, Q, H) target embeddings of [anchor, MASK, ...]; ctx_features: (B, C, n*H)
         concatenated raw target features of new context tokens (added to `cache` when given);
         positions are absolute. `mask` (bool, broadcastable to (B, 1, Q, keys)) is for training,
-        where blocks must not see each other; inference attends everywhere. With `blocks` = B the
+        where blocks must not see each other, and for batched inference, where some slots hold nothing
+        for a row (a {layer type: mask} dict when the draft has sliding-window layers); aligned
+        inference (mask None) attends everywhere. With `blocks` = B the
         queries are consecutive blocks of B tokens and `mask` (b, 1, Q, C) says which context positions
         each may see; each block also sees itself, nothing else (the fast training layout).
         """
@@ -468,13 +473,13 @@ class DFlashDraft(nn.Module):
         state = {k: (v.to(dtype) if dtype else v).detach().contiguous() for k, v in self.state_dict().items()}
         cfg = self.config.to_json()
         cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
-        _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
-        _atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(cfg, indent=2) + "\n"))
+        atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
+        atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(cfg, indent=2) + "\n"))
         if self.vocab is None:
             (directory / VOCAB_NAME).unlink(missing_ok=True)  # a stale one would restrict the new weights
         else:
             vocab = {"token_ids": self.vocab.contiguous()}
-            _atomic_write(directory / VOCAB_NAME, lambda p: save_file(vocab, p, metadata={"format": "pt"}))
+            atomic_write(directory / VOCAB_NAME, lambda p: save_file(vocab, p, metadata={"format": "pt"}))
 
     @classmethod
     def from_pretrained(
@@ -575,22 +580,6 @@ def _load_weights(directory: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise DraftError(f"{f} is corrupt or truncated ({e}): re-download or re-save the draft") from e
     return state
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; a checkpoint is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def init_draft_config(

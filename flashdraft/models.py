@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -407,3 +408,54 @@ def describe() -> list[dict]:
             }
         )
     return rows
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]  # what loading a model reads
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of a Hugging Face Hub model: from the local cache when offline (HF_HUB_OFFLINE=1,
+    flashdraft's default), downloaded (configs, safetensors weights, tokenizer) when the environment allows."""
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=offline, allow_patterns=HUB_FILES))
+    except Exception as e:  # not cached while offline, no such repository, no network
+        how = (
+            "it is not in the local Hugging Face cache and downloads are off (HF_HUB_OFFLINE=1): fetch it once "
+            f"with `HF_HUB_OFFLINE=0 hf download {repo_id}`, or run with HF_HUB_OFFLINE=0"
+            if offline
+            else f"the download failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        )
+        raise TargetError(f"{repo_id!r} is no local directory, and as a Hugging Face Hub id: {how}") from None
+
+
+def local_dir(spec: str | os.PathLike) -> Path:
+    """A model directory: the path when it exists, else the snapshot of a Hub id (owner/name)."""
+    path = Path(spec).expanduser()
+    if path.exists() or not HUB_ID.fullmatch(str(spec)):
+        return path
+    return hub_snapshot(str(spec))
+
+
+def load_target(
+    spec: str | os.PathLike, dtype: torch.dtype | str | None = "auto", device: str = "cpu"
+) -> Target:
+    """A target from a built-in name (`flashdraft models`), a local `.gguf` file or a local HF checkpoint
+    directory. Built-in names and GGUF files are converted once and cached (see `flashdraft.models`)."""
+    text = str(spec)
+    if text in MODELS:
+        return load_hf_model(text, dtype, device)
+    path = Path(spec).expanduser()
+    if text.lower().endswith(".gguf"):
+        return load_gguf(path, dtype, device)
+    if path.is_dir():
+        return Target.from_pretrained(path, dtype=dtype, device=device)
+    if HUB_ID.fullmatch(text):
+        return Target.from_pretrained(hub_snapshot(text), dtype=dtype, device=device)
+    raise TargetError(
+        f"target {text!r} is not a built-in name ({', '.join(known_names())}), a .gguf file, a local "
+        "model directory with config.json or a Hugging Face Hub id (owner/name)"
+    )

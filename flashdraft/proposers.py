@@ -1,12 +1,19 @@
-"""Proposers: whatever drafts tokens for the verifier in `decode.generate`.
+"""Proposers: whatever drafts tokens for the engine's lossless verifier (DFlash, n-gram lookup, test
+oracles), behind one batched protocol that serves batch 1 and batch N alike.
 
-The interface is three calls, so the same lossless verifier serves the DFlash draft, n-gram lookup
-and test oracles alike:
+The engine owns the batch and tells its proposer what happens to it, in batch order:
 
-- `start(features)`: after the prefill, with the target features of the prompt (of `feature_layers`);
-- `propose(tokens, k, sampling, generator)`: up to k tokens to follow `tokens` (whose last entry is
-  the anchor), plus their proposal probabilities q (or None: a one-hot, i.e. greedy, proposal);
-- `accept(features)`: after verification, with the target features of the newly committed tokens.
+- `reset()`: a new engine takes the proposer over (a proposer serves one engine at a time);
+- `join(rows, features)`: rows appended to the batch after their prefill; features[i] (len, n*H) are
+  the target features of rows[i]'s prompt, of the layers `feature_layers` lists (None: it reads none);
+- `propose(rows, ks)`: per row b, up to ks[b] tokens to follow its anchor (a 1D tensor) and their
+  proposal probabilities q (1, len, V), or None for a one-hot (greedy) proposal;
+- `accept(features, n)`: after the verify, row b committed n[b] tokens; features (B, T, n*H) are those
+  of the verify block, the first n[b] of each row belong to its committed tokens;
+- `keep(index)`: only these rows (indices into the batch, in order) remain;
+- `observe(rows, ks, n, draft_s, verify_s, verify_tokens)`: how the step went (for adaptive proposers).
+
+Stateless proposers only write `propose_row(row, k)`; the base class asks them row by row.
 """
 
 from __future__ import annotations
@@ -14,28 +21,76 @@ from __future__ import annotations
 import torch
 
 from .draft import DFlashDraft
-from .sampling import SamplingConfig, probs, sample
+from .sampling import probs, sample
+from .sequence import Row
+from .slots import DEAD, gather_slots, live_order, map_draft_cache, worth_compacting
 from .target import Target
+
+NOTHING = torch.zeros(0, dtype=torch.long)
 
 
 class Proposer:
-    feature_layers: list[int] | None = None  # target layers whose features `start`/`accept` receive
+    feature_layers: list[int] | None = None  # target layers whose features join/accept receive
     block_size = 16
 
-    def start(self, features: torch.Tensor | None) -> None:
+    def reset(self) -> None:
         pass
 
-    def propose(
-        self, tokens: torch.Tensor, k: int, sampling: SamplingConfig, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def join(self, rows: list[Row], features: list[torch.Tensor] | None) -> None:
+        pass
+
+    def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return [self.propose_row(row, k) if k else (NOTHING, None) for row, k in zip(rows, ks, strict=True)]
+
+    def propose_row(self, row: Row, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
-    def accept(self, features: torch.Tensor | None) -> None:
+    def accept(self, features: torch.Tensor | None, n: list[int]) -> None:
         pass
+
+    def keep(self, index: list[int]) -> None:
+        pass
+
+    def observe(
+        self,
+        rows: list[Row],
+        ks: list[int],
+        n: list[int],
+        draft_s: float,
+        verify_s: float,
+        verify_tokens: int,
+    ) -> None:
+        """How the step went: row b verified ks[b] drafted tokens and committed n[b]; the draft phase took
+        draft_s, the verify forward (verify_tokens tokens in all) verify_s. For proposers that adapt."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the latest earlier occurrence of the trailing n-gram and copy what followed."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, block_size: int = 8):
+        self.max_ngram, self.min_ngram, self.block_size = max_ngram, min_ngram, block_size
+
+    def propose_row(self, row, k):
+        seq = torch.tensor(row.prompt + row.tokens)
+        n_tok = seq.numel()
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            windows = seq.unfold(0, n, 1)[:-1]  # every n-gram that has a successor
+            hits = (windows == seq[-n:]).all(-1).nonzero()
+            if hits.numel():
+                begin = int(hits[-1]) + n
+                return seq[begin : begin + k], None
+        return NOTHING, None
 
 
 class DFlashProposer(Proposer):
-    """Drafts a block in one pass of a DFlash draft that reads the target's features.
+    """Drafts every row's block in one pass of a DFlash draft that reads the target's features.
+
+    Each row's new context (its prompt's features after the prefill, then the committed tokens of each
+    verify) waits in `pending` until the next draft call writes it into the draft's context cache.
+    While the rows are aligned (same positions in every slot: always so at batch 1) the call needs no
+    mask. Otherwise context is padded to the longest row with dead slots (`flashdraft.slots`) and blocks
+    are as long as the longest row's, a row's extra block slots dead for it, so every row's drafts are
+    the ones it would get alone. Sliding-window draft layers see a window counted in positions.
 
     With sampling, `proposal="draft"` samples each block position from the draft's own (warped)
     distribution and hands q to the verifier; `proposal="greedy"` drafts the argmax (one-hot q).
@@ -51,52 +106,95 @@ class DFlashProposer(Proposer):
         self.block_size = draft.config.block_size
         self.mask_id = draft.config.mask_token_id
         self.embed_scale = float(draft.config.extra.get("input_embedding_scale", 1.0))
-        self.cache = None
-        self.pending: torch.Tensor | None = None
+        self.window = draft.config.sliding_window if "sliding_attention" in draft.config.layer_types else None
+        self.compactions = 0
+        self.last_logits: torch.Tensor | None = None
+        self.reset()
 
-    def start(self, features):
+    def reset(self):
         self.cache = self.draft.new_cache()
-        self.pending = features
+        self.kpos = torch.empty(0, 0, dtype=torch.long, device=self.target.device)  # (B, S) slot positions
+        self.pending: list[tuple[int, torch.Tensor]] = []  # per row: (first position, features)
+        self.aligned = True  # every row's context slot i holds position i
 
-    def accept(self, features):
-        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+    def join(self, rows, features):
+        if not self.pending:  # an empty batch starts over, aligned
+            self.reset()
+            self.aligned = len({f.shape[0] for f in features}) == 1
+        else:
+            self.aligned = False
+        n, length = len(rows), self.cache.length
+        map_draft_cache(self.cache, lambda t: torch.cat([t, t.new_zeros(n, *t.shape[1:])]))
+        self.kpos = torch.cat([self.kpos, self.kpos.new_full((n, length), DEAD)])
+        self.pending += [(0, f) for f in features]
 
-    def propose(self, tokens, k, sampling, generator=None):
-        anchor = tokens.shape[1] - 1
-        ctx = self.pending
-        c_len = 0 if ctx is None else ctx.shape[1]
-        if self.cache.length + c_len != anchor:
-            raise RuntimeError(
-                f"draft context covers {self.cache.length + c_len} positions, anchor is at {anchor}"
-            )
-        block = torch.full((tokens.shape[0], k + 1), self.mask_id, dtype=tokens.dtype, device=tokens.device)
-        block[:, 0] = tokens[:, -1]
+    def keep(self, index):
+        if not index:
+            self.reset()
+            return
+        idx = torch.tensor(index, dtype=torch.long, device=self.kpos.device)
+        map_draft_cache(self.cache, lambda t: t[idx])
+        self.kpos = self.kpos[idx]
+        self.pending = [self.pending[i] for i in index]
+
+    def accept(self, features, n):
+        if len(set(n)) > 1:
+            self.aligned = False
+        self.pending = [
+            (start, torch.cat([f, features[b, : n[b]]])) for b, (start, f) in enumerate(self.pending)
+        ]
+
+    def propose(self, rows, ks):
+        device, n_rows, k_max = self.kpos.device, len(rows), max(ks)
+        if not self.aligned and worth_compacting(self.kpos):
+            order, n_live = live_order(self.kpos)
+            map_draft_cache(self.cache, lambda t: gather_slots(t, order))
+            self.kpos, self.cache.length = self.kpos.gather(1, order), n_live
+            self.compactions += 1
+        # New context, padded to the longest row; its positions continue where each row's cache ends.
+        lens = [f.shape[0] for _, f in self.pending]
+        c_len = max(lens)
+        if n_rows == 1:
+            ctx = self.pending[0][1][None]
+        else:
+            ctx = self.pending[0][1].new_zeros(n_rows, c_len, self.pending[0][1].shape[1])
+            for b, (_, f) in enumerate(self.pending):
+                ctx[b, : f.shape[0]] = f
+        c_steps = torch.arange(c_len, device=device)
+        ctx_pos = torch.tensor([s for s, _ in self.pending], device=device)[:, None] + c_steps
+        ctx_kpos = torch.where(c_steps < torch.tensor(lens, device=device)[:, None], ctx_pos, DEAD)
+        # Block [anchor, MASK...] of the longest row's length; slots past a row's own k are dead for it.
+        steps = torch.arange(k_max + 1, device=device)
+        blk_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + steps
+        blk_kpos = torch.where(steps <= torch.tensor(ks, device=device)[:, None], blk_pos, DEAD)
+        block = torch.full((n_rows, k_max + 1), self.mask_id, dtype=torch.long, device=device)
+        block[:, 0] = torch.tensor([r.tokens[-1] for r in rows], device=device)
         embeds = self.target.embed(block).to(self.draft.fc.weight.dtype)
         if self.embed_scale != 1.0:
             embeds = embeds * self.embed_scale
-        pos = torch.arange(self.cache.length, anchor + k + 1, device=tokens.device)[None]
-        hidden = self.draft(embeds, pos[:, c_len:], ctx, pos[:, :c_len], cache=self.cache)
-        self.pending = None
+        kpos = torch.cat([self.kpos, ctx_kpos, blk_kpos], 1)
+        mask = None
+        if self.aligned and len(set(ks)) == 1:
+            if self.cache.length + c_len != rows[0].anchor:
+                raise RuntimeError(
+                    f"draft context covers {self.cache.length + c_len} positions, anchor is at {rows[0].anchor}"
+                )
+        else:
+            mask = (kpos != DEAD)[:, None, None, :]  # inference attends everywhere it may
+            if self.window is not None:
+                diff = blk_pos[:, None, :, None] - kpos[:, None, None, :]
+                mask = {"full_attention": mask, "sliding_attention": (diff >= 0) & (diff < self.window)}
+        hidden = self.draft(embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask)
+        self.kpos = kpos[:, : self.cache.length]
+        self.pending = [(r.anchor, ctx.new_zeros(0, ctx.shape[2])) for r in rows]  # next: committed tokens
         logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head)
-        if sampling.greedy or self.proposal == "greedy":
-            return logits.argmax(-1), None
-        q = probs(logits, sampling)
-        return sample(q, generator), q
-
-
-class NgramProposer(Proposer):
-    """Prompt lookup: find the latest earlier occurrence of the trailing n-gram and copy what followed."""
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, block_size: int = 8):
-        self.max_ngram, self.min_ngram, self.block_size = max_ngram, min_ngram, block_size
-
-    def propose(self, tokens, k, sampling, generator=None):
-        seq = tokens[0]
-        n_tok = seq.numel()
-        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
-            windows = seq.unfold(0, n, 1)[:-1]  # every n-gram that has a successor
-            hits = (windows == seq[-n:]).all(-1).nonzero()
-            if hits.numel():
-                begin = int(hits[-1]) + n
-                return seq[begin : begin + k][None], None
-        return seq[:0][None], None
+        self.last_logits = logits  # (B, k_max, V), for inspection (tests compare them across batch sizes)
+        greedy = logits.argmax(-1)
+        out = []
+        for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
+            if row.sampling.greedy or self.proposal == "greedy" or k == 0:
+                out.append((greedy[b, :k], None))
+            else:
+                q = probs(logits[b : b + 1, :k], row.sampling)
+                out.append((sample(q, row.generator)[0], q))
+        return out

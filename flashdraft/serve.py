@@ -1,14 +1,14 @@
 """`flashdraft serve`: an OpenAI-compatible HTTP server with speculative, batched decoding.
 
 Why this shape: the model is not thread-safe, and batching only pays when one loop owns every row. So
-one background thread (`Scheduler`) owns the `BatchDecoder` and calls `step()` while any request is in
+one background thread (`Scheduler`) owns the `Engine` and calls `step()` while any request is in
 flight; a new request joins the batch at the next step, and a finished or abandoned one leaves it at
 the next step. The HTTP side (FastAPI on uvicorn) validates, tokenizes, hands (prompt ids, config) to
 that thread through a thread-safe inbox, and turns the `StepOutput`s it gets back (through a
 per-request asyncio queue) into OpenAI JSON or server-sent events.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming or not),
-GET /health, GET /metrics. Every error is a 4xx/5xx with an OpenAI-style body
+GET /health, GET /metrics (Prometheus text), GET /metrics.json. Every error is a 4xx/5xx with an OpenAI-style body
 {"error": {"message", "type", "param", "code"}}, and the server keeps serving.
 """
 
@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request  # FastAPI resolves route annotations in this module's globals
 
 from .decode import GenerationConfig
+from .engine import Engine
 from .sampling import SamplingConfig
 
 log = logging.getLogger("flashdraft.serve")
@@ -42,14 +43,32 @@ log = logging.getLogger("flashdraft.serve")
 UNSUPPORTED = (
     "logprobs",
     "top_logprobs",
+    "prompt_logprobs",
     "echo",
     "suffix",
     "logit_bias",
     "tools",
+    "tool_choice",
     "functions",
     "frequency_penalty",
     "presence_penalty",
+    "repetition_penalty",  # vLLM / SGLang sampling extensions from here on
+    "min_p",
+    "min_tokens",
+    "typical_p",
+    "best_of",
+    "use_beam_search",
+    "length_penalty",
+    "bad_words",
+    "allowed_token_ids",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "reasoning_effort",
 )
+NEUTRAL = {"repetition_penalty": 1}  # a value that changes nothing is accepted (besides 0, false, empty)
 
 
 class ApiError(Exception):
@@ -177,12 +196,12 @@ class ServerStats:
     completion_tokens: int = 0
     steps: int = 0
     rows: int = 0  # request rows summed over steps
-    busy_s: float = 0.0  # time spent inside BatchDecoder.step
+    busy_s: float = 0.0  # time spent inside Engine.step
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
 
 class Scheduler:
-    """Owns the BatchDecoder on one background thread and steps it while any request is in flight.
+    """Owns the Engine on one background thread and steps it while any request is in flight.
 
     Requests arrive through `inbox` (thread-safe). The thread answers each add with "added" or the
     ValueError the decoder raised, then every StepOutput of that request, on the request's asyncio
@@ -253,7 +272,7 @@ class Scheduler:
             try:
                 outs = self.decoder.step()
             except Exception as e:  # a bug or OOM: fail the requests in flight, keep serving
-                log.exception("BatchDecoder.step failed; failing %d requests", len(self.sinks))
+                log.exception("Engine.step failed; failing %d requests", len(self.sinks))
                 for sink in self.sinks.values():
                     self._send(sink, RuntimeError(f"the decoder failed: {type(e).__name__}: {e}"))
                 self.sinks = {}
@@ -301,7 +320,64 @@ class Scheduler:
             "tau": tau,
             "verify_steps": dec.get("verify_steps"),
             "committed": dec.get("committed"),
+            "drafts": dec.get("drafts", 0),
+            "draft_tokens": dec.get("draft_tokens", 0),
+            "accepted_tokens": dec.get("accepted_tokens", 0),
+            "accepted_per_position": list(dec.get("accepted_per_position", [])),
         }
+
+    def prometheus(self) -> bytes:
+        """The metrics in Prometheus' text format: vLLM's names (its `vllm:` prefix as `flashdraft:`) for
+        requests, tokens, batch occupancy and speculative decoding (drafts, draft tokens, accepted tokens,
+        accepted tokens per block position)."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        m = self.metrics()
+
+        def counter(name: str, doc: str, value) -> CounterMetricFamily:
+            return CounterMetricFamily(f"flashdraft:{name}", doc, value=value)
+
+        per_reason = CounterMetricFamily(
+            "flashdraft:request_success", "Finished requests by reason", labels=["finished_reason"]
+        )
+        for reason, n in m["requests_finished"].items():
+            per_reason.add_metric([reason], n)
+        per_pos = CounterMetricFamily(
+            "flashdraft:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafted tokens at each block position (1 = the first drafted token)",
+            labels=["position"],
+        )
+        for i, n in enumerate(m["accepted_per_position"], 1):
+            per_pos.add_metric([str(i)], n)
+        running = GaugeMetricFamily("flashdraft:num_requests_running", "Requests in the batch or waiting")
+        running.add_metric([], m["requests_in_flight"])
+        occupancy = GaugeMetricFamily("flashdraft:batch_rows_mean", "Mean rows per decoder step")
+        occupancy.add_metric([], m["mean_batch_rows"])
+        families = [
+            counter("requests", "Requests handed to the decoder", m["requests_total"]),
+            counter("requests_rejected", "Requests answered with a 4xx", m["requests_rejected"]),
+            counter("requests_failed", "Requests answered with a 5xx", m["requests_failed"]),
+            per_reason,
+            running,
+            counter("prompt_tokens", "Prompt tokens of the requests", m["prompt_tokens_total"]),
+            counter("generation_tokens", "Generated tokens", m["completion_tokens_total"]),
+            counter("engine_steps", "Decoder steps", m["steps"]),
+            counter("engine_step_rows", "Rows summed over decoder steps", m["rows"]),
+            occupancy,
+            counter("spec_decode_num_drafts", "Row-steps that verified drafted tokens", m["drafts"]),
+            counter("spec_decode_num_draft_tokens", "Drafted tokens verified", m["draft_tokens"]),
+            counter("spec_decode_num_accepted_tokens", "Drafted tokens accepted", m["accepted_tokens"]),
+            per_pos,
+        ]
+
+        class Snapshot:
+            def collect(self):
+                return families
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(Snapshot())
+        return generate_latest(registry)
 
 
 # -- the app -------------------------------------------------------------------------------------
@@ -390,7 +466,8 @@ class App:
         if req.n != 1:
             raise ApiError(400, f"n must be 1 (one choice per request), got {req.n}", "n")
         for key in UNSUPPORTED:
-            if (req.model_extra or {}).get(key) not in (None, False, 0, [], {}):
+            value = (req.model_extra or {}).get(key)
+            if value not in (None, False, 0, [], {}, NEUTRAL.get(key)):
                 raise ApiError(400, f"`{key}` is not supported by this server: leave it out", key)
         fmt = (req.model_extra or {}).get("response_format")
         if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
@@ -423,9 +500,19 @@ class App:
             msgs.append({"role": m["role"], "content": content or ""})
         if not getattr(self.tok, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions")
+        kwargs = (req.model_extra or {}).get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ApiError(
+                400,
+                'chat_template_kwargs must be an object, e.g. {"enable_thinking": false}',
+                "chat_template_kwargs",
+            )
+        reserved = sorted(set(kwargs) & {"conversation", "tokenize", "return_dict", "add_generation_prompt"})
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
         try:
             ids = self.tok.apply_chat_template(
-                msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+                msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
             )
         except Exception as e:  # template errors (e.g. roles that must alternate) are the caller's
             raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
@@ -609,7 +696,7 @@ class App:
 
         from fastapi import Depends, FastAPI
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, Response
         from starlette.exceptions import HTTPException
 
         @asynccontextmanager
@@ -656,6 +743,12 @@ class App:
 
         @app.get("/metrics", dependencies=auth)
         async def metrics():
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return Response(self.sched.prometheus(), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/metrics.json", dependencies=auth)
+        async def metrics_json():
             return self.sched.metrics()
 
         @app.get("/v1/models", dependencies=auth)
@@ -708,9 +801,9 @@ def serve(cfg: ServeConfig) -> None:
     """Load the models, start the scheduler thread and serve until interrupted."""
     import uvicorn
 
-    from .batch import BatchDecoder
     from .draft import DFlashDraft
-    from .target import load_target, resolve_dtype
+    from .models import load_target, local_dir
+    from .target import resolve_dtype
 
     if cfg.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be >= 1, got {cfg.max_batch_size}")
@@ -723,10 +816,12 @@ def serve(cfg: ServeConfig) -> None:
         raise ValueError(
             f"target {cfg.target!r} has no tokenizer: the server needs one to read and write text"
         )
-    draft = DFlashDraft.from_pretrained(cfg.draft, dtype=dtype, device=device) if cfg.draft else None
+    draft = (
+        DFlashDraft.from_pretrained(local_dir(cfg.draft), dtype=dtype, device=device) if cfg.draft else None
+    )
 
     def make_decoder():
-        return BatchDecoder(target, draft, cfg.block_size, cfg.max_batch_size, cfg.proposal)
+        return Engine(target, draft, cfg.block_size, cfg.max_batch_size, cfg.proposal)
 
     api_key = cfg.api_key or os.environ.get("FLASHDRAFT_API_KEY") or None
     app = App(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,6 +38,20 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         pass
     return False
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """ "auto" (or None): CUDA when torch sees a GPU, else the CPU. An explicit CUDA device that is not
+    there is refused with the fix."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise TargetError(f"--device must be auto, cpu or cuda[:N], got {device!r} ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TargetError(f"--device {device}: this torch sees no CUDA device; use --device cpu (or auto)")
+    return dev
 
 
 def resolve_dtype(
@@ -76,8 +91,8 @@ class Target:
         self._final_norm = decoder.norm
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._hooks: list = []
-        self._layer_ids: list[int] = []
+        self._hooked: set[int] = set()  # layers with a capture hook
+        self._wanted: frozenset[int] = frozenset()  # layers the running forward captures
         self._captured: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -144,31 +159,26 @@ class Target:
 
     # -- features --------------------------------------------------------------------------
 
-    def select_layers(self, layer_ids: list[int]) -> None:
-        """Capture the outputs of these decoder layers (0-based) on every forward with features=True."""
+    def _hook_layers(self, layer_ids: Sequence[int]) -> None:
+        """Make sure these decoder layers (0-based) have a capture hook. Hooks stay installed and only
+        capture while a forward asks for their layer, so callers never reset shared state."""
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise TargetError(
                 f"target layer ids {bad} are outside the target's layers 0..{self.num_layers - 1}"
             )
-        if list(layer_ids) == self._layer_ids:
-            return
-        for h in self._hooks:
-            h.remove()
-        self._hooks, self._layer_ids = [], list(layer_ids)
-        for i in sorted(set(layer_ids)):
+        for i in sorted(set(layer_ids) - self._hooked):
             # HF's hidden_states[num_layers] is the final-normed output; match it for the last layer.
             module = self._final_norm if i == self.num_layers - 1 else self._layers[i]
-            self._hooks.append(module.register_forward_hook(self._catcher(i)))
+            module.register_forward_hook(self._catcher(i))
+            self._hooked.add(i)
 
     def _catcher(self, i: int):
         def hook(_module, _inputs, output):
-            if self._capturing:
+            if i in self._wanted:
                 self._captured[i] = output[0] if isinstance(output, tuple) else output
 
         return hook
-
-    _capturing = False
 
     # -- forward and cache -----------------------------------------------------------------
 
@@ -209,12 +219,15 @@ class Target:
         positions: torch.Tensor,
         cache,
         logits_to_keep: int = 0,
-        features: bool = False,
+        features: Sequence[int] | None = None,
         attention_mask=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, T or logits_to_keep, V) and, if asked, the concatenated selected-layer features
-        (B, T, n*H) of the new tokens. `attention_mask`: None (causal) or what `attention_mask()` gives."""
-        self._capturing = features
+        """Logits (B, T or logits_to_keep, V) and, if `features` lists decoder layers (0-based; the last
+        one means the final-normed output), their outputs for the new tokens, concatenated in that order
+        (B, T, n*H). `attention_mask`: None (causal) or what `attention_mask()` gives."""
+        if features:
+            self._hook_layers(features)
+            self._wanted = frozenset(features)
         mask = {} if attention_mask is None else {"attention_mask": attention_mask}
         try:
             out = self.model(
@@ -225,9 +238,9 @@ class Target:
                 **mask,
                 **{self._cache_kw: cache},
             )
-            feats = torch.cat([self._captured[i] for i in self._layer_ids], dim=-1) if features else None
+            feats = torch.cat([self._captured[i] for i in features], dim=-1) if features else None
         finally:
-            self._capturing = False
+            self._wanted = frozenset()
             self._captured = {}
         return out.logits, feats
 
@@ -239,24 +252,3 @@ class Target:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Raw embedding rows, without any model-specific scaling (what published drafts expect)."""
         return F.embedding(ids, self.embedding.weight)
-
-
-def load_target(
-    spec: str | os.PathLike, dtype: torch.dtype | str | None = "auto", device: str = "cpu"
-) -> Target:
-    """A target from a built-in name (`flashdraft models`), a local `.gguf` file or a local HF checkpoint
-    directory. Built-in names and GGUF files are converted once and cached (see `flashdraft.models`)."""
-    from . import models
-
-    text = str(spec)
-    if text in models.MODELS:
-        return models.load_hf_model(text, dtype, device)
-    path = Path(spec).expanduser()
-    if text.lower().endswith(".gguf"):
-        return models.load_gguf(path, dtype, device)
-    if path.is_dir():
-        return Target.from_pretrained(path, dtype=dtype, device=device)
-    raise TargetError(
-        f"target {text!r} is not a built-in name ({', '.join(models.known_names())}), a .gguf file or a local "
-        "model directory with config.json"
-    )

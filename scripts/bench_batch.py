@@ -1,6 +1,6 @@
 """Throughput of batched DFlash against plain batched decoding, per batch size (issue 7).
 
-Like the paper's concurrency table: the same chat prompts go through `flashdraft.batch.BatchDecoder`
+Like the paper's concurrency table: the same chat prompts go through `flashdraft.Engine`
 at each batch size, with continuous batching (a finished row's slot goes to the next prompt), once
 with plain decoding and once with the DFlash draft at each block size. Throughput is generated
 tokens over wall time, prefills included. Verification stops being free as batches grow, so a
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft import DFlashDraft, GenerationConfig, SamplingConfig, load_target
-from flashdraft.batch import BatchDecoder
+from flashdraft import DFlashDraft, Engine, GenerationConfig, SamplingConfig, load_target
 from flashdraft.data import load_dataset
 
 
@@ -53,7 +52,7 @@ def chat_prompts(target, dataset: str, n: int) -> list[list[int]]:
 
 def run(target, draft, block_size, batch_size, prompts, config) -> dict:
     """All prompts through one decoder with at most batch_size rows; throughput and acceptance."""
-    dec = BatchDecoder(target, draft, block_size, max_batch_size=batch_size)
+    dec = Engine(target, draft, block_size, max_batch_size=batch_size)
     out: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, ids in enumerate(prompts):

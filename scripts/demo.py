@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, generate, load_target
+from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, NgramProposer, generate, load_target
+from flashdraft.adaptive import AdaptiveProposer
 from flashdraft.cli import _TextStream
 from flashdraft.draft import init_draft_config
 
@@ -39,6 +40,11 @@ def main() -> int:
         help=f"verify blocks of this size (default {CPU_BLOCK_SIZE}; the draft's own size is its maximum)",
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="DFlash and n-gram lookup behind the adaptive rule (draft or not, and where to cut, per step)",
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"loading {TARGET} (converted from its GGUF on first use) ...", flush=True)
@@ -50,6 +56,9 @@ def main() -> int:
         draft, which = DFlashDraft(cfg).to(target.dtype), "RANDOM draft (no shipped draft: expect tau ~1)"
     block = min(args.block_size or CPU_BLOCK_SIZE, draft.config.block_size)
     proposer = DFlashProposer(draft, target)
+    if args.adaptive:  # it cuts blocks itself: give it the draft's whole block
+        block = args.block_size or draft.config.block_size
+        proposer = AdaptiveProposer(proposer, NgramProposer(block_size=block))
     print(
         f"{which}; {target.dtype} on {torch.get_num_threads()} threads; DFlash verifies blocks of {block}\n"
     )

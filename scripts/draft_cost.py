@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from flashdraft.bench import calibrate  # noqa: E402
 from flashdraft.draft import DFlashDraft  # noqa: E402
-from flashdraft.target import load_target  # noqa: E402
+from flashdraft.models import load_target  # noqa: E402
 
 
 def main(argv=None) -> int:

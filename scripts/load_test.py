@@ -115,14 +115,14 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 async def phase(client, model, prompts, args, base, key, concurrent: bool) -> tuple[list[dict], dict]:
-    before = _get(base.removesuffix("/v1") + "/metrics", key)
+    before = _get(base.removesuffix("/v1") + "/metrics.json", key)
     t0 = time.perf_counter()
     if concurrent:
         results = await asyncio.gather(*(one(client, model, p, args) for p in prompts))
     else:
         results = [await one(client, model, p, args) for p in prompts]
     wall = time.perf_counter() - t0
-    after = _get(base.removesuffix("/v1") + "/metrics", key)
+    after = _get(base.removesuffix("/v1") + "/metrics.json", key)
     ok = [r for r in results if "error" not in r]
     tokens = sum(r["completion_tokens"] or 0 for r in ok)
     summary = {
@@ -176,7 +176,7 @@ async def run(args, base: str, key: str | None, model: str) -> dict:
         "errors": errors,
         "mismatches": mismatches,
         "passed": not errors and not mismatches,
-        "server_metrics": _get(base.removesuffix("/v1") + "/metrics", key),
+        "server_metrics": _get(base.removesuffix("/v1") + "/metrics.json", key),
     }
 
 

@@ -24,8 +24,10 @@ import torch  # noqa: E402
 
 from flashdraft.acceptance import greedy_references, offline_tau, read_references, write_references  # noqa: E402
 from flashdraft.draft import DFlashDraft  # noqa: E402
-from flashdraft.target import load_target, resolve_dtype  # noqa: E402
-from flashdraft.train import dataset_prompts, evaluate_tau  # noqa: E402
+from flashdraft.models import load_target  # noqa: E402
+from flashdraft.target import resolve_dtype  # noqa: E402
+from flashdraft.train import evaluate_tau  # noqa: E402
+from flashdraft.train_data import dataset_prompts  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, SamplingConfig, generate
 from flashdraft.data import load_dataset
-from flashdraft.target import load_target
+from flashdraft.models import load_target
 
 
 def main():

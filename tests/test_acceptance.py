@@ -16,10 +16,6 @@ def setup():
     # A small vocabulary so that a random draft is right often enough to make multi-token commits.
     target = Target(make_hf_model("qwen3", vocab=8, layers=4, seed=3))
     draft = make_draft(target.model, layers=2, block_size=5, mask_token_id=7)
-    with torch.no_grad():  # initialised like the target, so its drafts depend on the context
-        for p in draft.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.15)
     return target, draft
 
 

@@ -1,4 +1,4 @@
-"""Batched decoding (flashdraft.batch): every row must come out exactly as batch-1 decoding would give it.
+"""Batched decoding (flashdraft.engine): every row must come out exactly as batch-1 decoding would give it.
 
 Greedy, in float64: each row's tokens equal plain `decode.generate` for that row alone, with rows of
 mixed prompt lengths, lengths and stop tokens, joining and leaving the batch at different steps;
@@ -18,13 +18,24 @@ from conftest import ARCHS, make_draft, make_hf_model
 from scipy.stats import chisquare
 from test_sampling import _resample_from_p  # the same broken rule the batch-1 power test uses
 
-import flashdraft.batch as batch
-from flashdraft import DFlashProposer, GenerationConfig, NgramProposer, SamplingConfig, Target, generate
-from flashdraft.batch import DEAD, BatchDecoder, BatchProposer, PerRowProposer, generate_batch
+import flashdraft.engine as engine
+from flashdraft import (
+    DFlashDraft,
+    DFlashProposer,
+    Engine,
+    GenerationConfig,
+    NgramProposer,
+    Proposer,
+    SamplingConfig,
+    Target,
+    generate,
+    generate_batch,
+)
 from flashdraft.sampling import probs
+from flashdraft.slots import DEAD
 
 
-class BatchOracle(BatchProposer):
+class BatchOracle(Proposer):
     """Proposes each row's true greedy continuation, corrupted at random places and sometimes cut
     short, so that full, partial and zero acceptance and uneven block lengths all occur."""
 
@@ -55,30 +66,36 @@ class BatchOracle(BatchProposer):
 
 
 class RecordingDFlash(DFlashProposer):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.drafted = []
+    """Records every block it drafts and the logits it drafted from, per request (`generate` runs its one
+    request as "0")."""
 
-    def propose(self, tokens, k, sampling, generator=None):
-        d, q = super().propose(tokens, k, sampling, generator)
-        self.drafted.append(d[0].tolist())
-        return d, q
-
-
-class RecordingBatchDFlash(batch.BatchDFlashProposer):
     def __init__(self, *args):
         super().__init__(*args)
         self.drafted = collections.defaultdict(list)
+        self.logits = collections.defaultdict(list)
+        self.qs = []
 
     def propose(self, rows, ks):
         out = super().propose(rows, ks)
-        for row, (d, _) in zip(rows, out, strict=True):
+        for b, (row, (d, q)) in enumerate(zip(rows, out, strict=True)):
             if len(d):
                 self.drafted[row.request_id].append(d.tolist())
+                self.logits[row.request_id].append(self.last_logits[b, : len(d)])
+            if q is not None:
+                self.qs.append(q)
         return out
 
 
-def check_caches(dec: BatchDecoder) -> None:
+def assert_same_logits(batched: list[torch.Tensor], alone: list[torch.Tensor], what) -> None:
+    """Logit level, not only argmax: a batched row's draft logits equal its batch-1 logits (float64)."""
+    assert len(batched) == len(alone), what
+    for x, y in zip(batched, alone, strict=True):
+        finite = torch.isfinite(y)
+        assert torch.equal(finite, torch.isfinite(x)), what
+        assert (x[finite] - y[finite]).abs().max() < 1e-9, what
+
+
+def check_caches(dec: Engine) -> None:
     """Every running row's live target slots hold exactly positions 0..anchor-1, once each; the draft's
     live slots plus its pending context cover the same positions."""
     assert dec.kpos.shape[0] == len(dec.rows)
@@ -88,7 +105,7 @@ def check_caches(dec: BatchDecoder) -> None:
         live = sorted(p for p in dec.kpos[b].tolist() if p != DEAD)
         assert live == list(range(row.anchor)), (row.request_id, live, row.anchor)
     prop = dec.proposer
-    if isinstance(prop, batch.BatchDFlashProposer):
+    if isinstance(prop, DFlashProposer):
         assert prop.kpos.shape[0] == len(prop.pending) == len(dec.rows)
         for b, row in enumerate(dec.rows):
             start, feats = prop.pending[b]
@@ -103,7 +120,7 @@ def plain_greedy(truth: list[int], cfg: GenerationConfig) -> list[int]:
     return out[: stops[0] + 1] if stops else out
 
 
-def run_decoder(dec: BatchDecoder, prompts, configs) -> dict[str, dict]:
+def run_decoder(dec: Engine, prompts, configs) -> dict[str, dict]:
     """Add everything, step to the end while checking the caches; what each request streamed."""
     for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
         dec.add(str(i), p, c)
@@ -145,16 +162,17 @@ def test_greedy_batch_equals_single_row(arch_name):
             configs.append(GenerationConfig(new, row_block, stop_ids=stop))
         expected = [plain_greedy(truths[str(i)], c) for i, c in enumerate(configs)]
         # Batch-1 DFlash, with every block it drafts: the batched draft must draft the same ones.
-        dflash_1, drafted_1 = [], []
+        dflash_1, drafted_1, logits_1 = [], [], []
         for p, c in zip(prompts, configs, strict=True):
             single = RecordingDFlash(draft, target)
             cfg = GenerationConfig(c.max_new_tokens, c.block_size or block, stop_ids=c.stop_ids)
             dflash_1.append(generate(target, p, single, cfg))
-            drafted_1.append(single.drafted)
-        dflash = RecordingBatchDFlash(draft, target)
+            drafted_1.append(single.drafted["0"])
+            logits_1.append(single.logits["0"])
+        dflash = RecordingDFlash(draft, target)
         oracle = BatchOracle(truths, vocab, rng)
         for name, kw in [("plain", {}), ("dflash", {"proposer": dflash}), ("oracle", {"proposer": oracle})]:
-            dec = BatchDecoder(
+            dec = Engine(
                 target, block_size=None if name == "plain" else block, max_batch_size=max_batch, **kw
             )
             seen = run_decoder(dec, prompts, configs)
@@ -168,6 +186,7 @@ def test_greedy_batch_equals_single_row(arch_name):
                 if name == "dflash":
                     assert s["accepted"] == dflash_1[i].acceptance_lengths, (arch_name, i)
                     assert dflash.drafted[str(i)] == drafted_1[i], (arch_name, i)
+                    assert_same_logits(dflash.logits[str(i)], logits_1[i], (arch_name, i))
                 if name == "oracle":
                     b = configs[i].block_size or block
                     assert all(1 <= a <= b for a in s["accepted"])
@@ -185,9 +204,7 @@ def test_generate_batch_results_and_ngram(tiny_llama):
     prompts = [[rng.randrange(128) for _ in range(rng.randint(2, 6))] * 3 for _ in range(5)]
     cfg = GenerationConfig(24)
     plain = [generate(tiny_llama, p, None, cfg) for p in prompts]
-    res = generate_batch(
-        tiny_llama, prompts, config=cfg, proposer=PerRowProposer(NgramProposer()), max_batch_size=3
-    )
+    res = generate_batch(tiny_llama, prompts, config=cfg, proposer=NgramProposer(), max_batch_size=3)
     for r, want in zip(res, plain, strict=True):
         assert r.tokens == want.tokens and r.stop_reason == "length"
         assert len(r.acceptance_lengths) == len(r.step_s) == len(r.draft_s) == len(r.verify_s)
@@ -197,7 +214,7 @@ def test_generate_batch_results_and_ngram(tiny_llama):
 
 def test_join_midway_and_cancel(tiny_llama):
     draft = make_draft(tiny_llama.model, block_size=4)
-    dec = BatchDecoder(tiny_llama, draft, max_batch_size=3)
+    dec = Engine(tiny_llama, draft, max_batch_size=3)
     prompts = {f"r{i}": [7 + i] * (2 + 3 * i) for i in range(6)}
     want = {k: generate(tiny_llama, p, None, GenerationConfig(30)).tokens for k, p in prompts.items()}
     got = {k: [] for k in prompts}
@@ -248,14 +265,15 @@ def test_long_run_compacts_and_stays_exact(tiny_llama):
         str(i): generate(tiny_llama, p, None, GenerationConfig(90)).tokens for i, p in enumerate(prompts)
     }
     draft = make_draft(tiny_llama.model, block_size=8)
-    drafted_1 = []
+    drafted_1, logits_1 = [], []
     for p, c in zip(prompts, configs, strict=True):
         single = RecordingDFlash(draft, tiny_llama)
         generate(tiny_llama, p, single, c)
-        drafted_1.append(single.drafted)
-    dflash = RecordingBatchDFlash(draft, tiny_llama)
+        drafted_1.append(single.drafted["0"])
+        logits_1.append(single.logits["0"])
+    dflash = RecordingDFlash(draft, tiny_llama)
     for proposer in (BatchOracle(truths, 128, rng), dflash):
-        dec = BatchDecoder(tiny_llama, block_size=8, max_batch_size=3, proposer=proposer)
+        dec = Engine(tiny_llama, block_size=8, max_batch_size=3, proposer=proposer)
         for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
             dec.add(str(i), p, c)
         got = collections.defaultdict(list)
@@ -272,6 +290,7 @@ def test_long_run_compacts_and_stays_exact(tiny_llama):
     assert dflash.compactions > 0
     for i in range(len(prompts)):
         assert dflash.drafted[str(i)] == drafted_1[i], i
+        assert_same_logits(dflash.logits[str(i)], logits_1[i], i)
 
 
 @pytest.mark.parametrize(
@@ -286,7 +305,7 @@ def test_long_run_compacts_and_stays_exact(tiny_llama):
     ],
 )
 def test_bad_input(tiny_llama, prompt, cfg, match):
-    dec = BatchDecoder(tiny_llama)
+    dec = Engine(tiny_llama)
     with pytest.raises(ValueError, match=match):
         dec.add("x", prompt, cfg)
     assert dec.pending() == 0
@@ -294,11 +313,11 @@ def test_bad_input(tiny_llama, prompt, cfg, match):
 
 def test_bad_decoder_settings(tiny_llama):
     with pytest.raises(ValueError, match="max_batch_size"):
-        BatchDecoder(tiny_llama, max_batch_size=0)
+        Engine(tiny_llama, max_batch_size=0)
     with pytest.raises(ValueError, match="block_size"):
-        BatchDecoder(tiny_llama, block_size=0)
+        Engine(tiny_llama, block_size=0)
     with pytest.raises(ValueError, match="proposal"):
-        BatchDecoder(tiny_llama, make_draft(tiny_llama.model), proposal="best")
+        Engine(tiny_llama, make_draft(tiny_llama.model), proposal="best")
     with pytest.raises(ValueError, match="one per prompt"):
         generate_batch(tiny_llama, [[1], [2]], config=[GenerationConfig(2)])
 
@@ -391,7 +410,7 @@ def test_seeded_row_ignores_its_batch(sampling_setup):
 
 def test_distribution_test_has_power(sampling_setup, monkeypatch):
     model, target, draft = sampling_setup
-    monkeypatch.setattr(batch, "verify_sampling", _resample_from_p)
+    monkeypatch.setattr(engine, "verify_sampling", _resample_from_p)
     cfg = SamplingConfig(1.0, top_p=0.8)
     (counts,) = sample_counts(target, draft, [cfg], rows=1000)
     assert chi2_pvalue(counts, exact_joint(model, cfg)) < 1e-3
@@ -415,7 +434,7 @@ def test_padding_equal_to_the_true_next_token_is_never_accepted(tiny_llama):
     truths = {"0": truth, "1": generate(target, other, None, GenerationConfig(max_new_tokens=40)).tokens}
     cuts = []
 
-    class CutBeforeZero(BatchProposer):
+    class CutBeforeZero(Proposer):
         def propose(self, rows, ks):
             out, cut = {}, None
             for row, k in zip(rows, ks, strict=True):
@@ -428,7 +447,76 @@ def test_padding_equal_to_the_true_next_token_is_never_accepted(tiny_llama):
             return [(torch.tensor(out[r.request_id], dtype=torch.long), None) for r in rows]
 
     cfg = GenerationConfig(max_new_tokens=40, block_size=6)
-    dec = BatchDecoder(target, proposer=CutBeforeZero(), block_size=6, max_batch_size=2)
+    dec = Engine(target, proposer=CutBeforeZero(), block_size=6, max_batch_size=2)
     seen = run_decoder(dec, [prompt, other], [cfg, cfg])
     assert cuts
     assert seen["0"]["tokens"] == truths["0"] and seen["1"]["tokens"] == truths["1"]
+
+
+def test_sliding_window_draft_batched_equals_single_row(tiny_llama):
+    """A draft with a sliding-window layer (window 3, shorter than its block) runs in batches: every row
+    drafts exactly the blocks it drafts alone, and outputs stay plain greedy. The window must matter:
+    the same weights without it draft other blocks."""
+    full = make_draft(tiny_llama.model, block_size=4)
+    cfg = full.config.replace(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    windowed = DFlashDraft(cfg).to(torch.float64)
+    windowed.load_state_dict(full.state_dict())
+    rng = random.Random(11)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 15))] for _ in range(5)]
+    configs = [GenerationConfig(rng.randint(5, 20)) for _ in prompts]
+    alone, alone_full = [], []
+    for p, c in zip(prompts, configs, strict=True):
+        for draft, out in ((windowed, alone), (full, alone_full)):
+            single = RecordingDFlash(draft, tiny_llama)
+            res = generate(tiny_llama, p, single, c)
+            assert res.tokens == generate(tiny_llama, p, None, c).tokens
+            out.append(single.drafted["0"])
+    assert alone != alone_full, "the window changed no drafted block: the test cannot see it"
+    batched = RecordingDFlash(windowed, tiny_llama)
+    seen = run_decoder(Engine(tiny_llama, proposer=batched, max_batch_size=3), prompts, configs)
+    for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
+        assert seen[str(i)]["tokens"] == generate(tiny_llama, p, None, c).tokens
+        assert batched.drafted[str(i)] == alone[i], i
+
+
+def test_sampling_with_a_spread_draft_alone_and_batched():
+    """The proposal probabilities q must matter: with a draft whose q is spread (its most likely token gets
+    well under 0.9 on average), a verifier that used the wrong q would sample the wrong distribution.
+    Batch 1 (`generate`) and batched (`generate_batch`), against exact enumeration."""
+    from test_sampling import sample_joint
+
+    model = make_hf_model("llama", vocab=V, layers=2)
+    target = Target(model)
+    draft = make_draft(model, layers=1, mask_token_id=5, block_size=4)
+    cfg = SamplingConfig(1.0)
+    exact = exact_joint(model, cfg)
+    alone = RecordingDFlash(draft, target)
+    assert chi2_pvalue(sample_joint(target, alone, cfg, 2_500, block=4), exact) > 1e-3
+    batched = RecordingDFlash(draft, target)
+    cfgs = [GenerationConfig(3, sampling=cfg, seed=i) for i in range(2_000)]
+    res = generate_batch(target, [PROMPT] * len(cfgs), config=cfgs, proposer=batched, max_batch_size=256)
+    counts = np.zeros((V, V, V))
+    for r in res:
+        counts[tuple(r.tokens)] += 1
+    assert chi2_pvalue(counts, exact) > 1e-3
+    for spy in (alone, batched):
+        top = torch.cat([q.reshape(-1, V) for q in spy.qs]).max(-1).values
+        assert top.mean() < 0.9, f"q is nearly one-hot (mean top probability {top.mean():.3f})"
+
+
+def test_speculative_counters_match_the_commits(tiny_llama):
+    """The vLLM-style counters that /metrics exports: accepted drafted tokens are the commits beyond one
+    per verify step (a length cut drops at most one per row); per position they add up and never grow."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(2, 9))] for _ in range(5)]
+    truths = {
+        str(i): generate(tiny_llama, p, None, GenerationConfig(40)).tokens for i, p in enumerate(prompts)
+    }
+    dec = Engine(tiny_llama, proposer=BatchOracle(truths, 128, rng), block_size=6, max_batch_size=3)
+    run_decoder(dec, prompts, [GenerationConfig(40)] * len(prompts))
+    st = dec.stats
+    gap = st["accepted_tokens"] - (st["committed"] - st["verify_steps"])
+    assert 0 <= gap <= len(prompts), st
+    per = st["accepted_per_position"]
+    assert sum(per) == st["accepted_tokens"] and per == sorted(per, reverse=True)
+    assert st["draft_tokens"] > st["accepted_tokens"] > 0 and 0 < st["drafts"] <= st["verify_steps"]

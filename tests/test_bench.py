@@ -25,11 +25,11 @@ from flashdraft.bench import (
     explain_mismatches,
     final_number,
     first_divergence,
-    hf_dflash_assistant,
     run_bench,
     top2_margin,
 )
 from flashdraft.cli import main
+from flashdraft.export import hf_dflash_assistant
 
 BLOCKS = (4, 8)
 
@@ -68,7 +68,7 @@ def _check_consistency(res: dict, prompts: list[BenchPrompt]) -> None:
         for r in runs:
             assert len(r["tokens"]) == r["prefill_tokens"] + sum(r["lengths"])
             assert all(1 <= n <= blocks[name] for n in r["lengths"])
-            if name in ("plain", "ngram") or name.startswith("dflash-"):
+            if name in ("plain", "ngram", "adaptive") or name.startswith("dflash-"):
                 assert r["prefill_tokens"] == 1
     for ds, rows in res["summary"].items():
         idx = [i for i, p in enumerate(prompts) if ds == "all" or p.dataset == ds]
@@ -99,11 +99,22 @@ def test_results_are_complete_and_consistent(greedy):
     res, prompts, _ = greedy
     names = [m["name"] for m in res["methods"]]
     expected = ["plain", "hf-generate", "hf-prompt-lookup", "ngram"]
-    expected += [f"{k}-b{b}" for k in ("dflash", "reference", "hf-dflash") for b in BLOCKS]
+    expected += [f"dflash-b{b}" for b in BLOCKS] + ["adaptive"]
+    expected += [f"{k}-b{b}" for k in ("reference", "hf-dflash") for b in BLOCKS]
     assert names == expected
     assert all(m["available"] for m in res["methods"]), res["methods"]
     assert res["datasets"] == ["set-a", "set-b"] and set(res["summary"]) == {"set-a", "set-b", "all"}
     _check_consistency(res, prompts)
+    for rows in res["summary"].values():  # bootstrap intervals over prompts; plain against itself is 1
+        assert all(
+            s["speedup_ci"][0] <= s["speedup_ci"][1] and s["tau_ci"][0] <= s["tau_ci"][1]
+            for s in rows.values()
+        )
+        assert rows["plain"]["speedup_ci"] == pytest.approx([1, 1]) and rows["plain"][
+            "tau_ci"
+        ] == pytest.approx([1, 1])
+        tau = rows["dflash-b8"]["tau_ci"]
+        assert 1 <= tau[0] <= tau[1] <= 8
     for key in ("command", "config", "versions", "machine", "wall_s", "phases", "cost_model"):
         assert key in res
     assert res["versions"]["torch"] and res["machine"]["dtype"] == "float64"

@@ -163,3 +163,143 @@ def test_version_and_defaults_in_help(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert "default: 128" in capsys.readouterr().out  # --max-new-tokens
+
+
+VERB_ARGS = {  # each verb with its required options, so that the typo is the only problem
+    "generate": ["--target", "t", "--prompt-ids", "1"],
+    "train": ["--target", "t", "--data", "d", "--out", "o"],
+    "bench": ["--target", "t", "--draft", "d", "--out", "o"],
+    "serve": ["--target", "t"],
+    "datagen": ["--target", "t", "--dataset", "d", "--out", "o"],
+}
+
+
+@pytest.mark.parametrize("verb", list(VERB_ARGS))
+def test_a_typo_shows_the_verbs_usage_and_exits_2(verb, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([verb, *VERB_ARGS[verb], "--tagret", "x"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"usage: flashdraft {verb}" in err and "--tagret" in err
+
+
+def test_input_errors_exit_2_with_one_line(tmp_path, capsys):
+    """Every kind of wrong input ends the same way, whatever the verb: exit code 2 and an `error:` line."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    cases = [
+        ["generate", "--target", str(tmp_path / "none"), "--prompt-ids", "1"],
+        ["generate", "--target", str(tmp_path), "--prompt-ids", "1,x"],
+        ["pack-data", str(bad), "--out", str(tmp_path / "x.npz")],
+        ["init-draft", "--target", str(tmp_path / "none"), "--out", str(tmp_path / "d")],
+    ]
+    for argv in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err and err[-1].startswith("error: "), (argv, err)
+
+
+def test_export_to_transformers_gives_our_tokens_in_stock_generate(dirs, tmp_path):
+    """`flashdraft export --to transformers`: stock transformers runs the exported draft as its DFlash
+    assistant and commits exactly our greedy tokens (float64, a draft that sees its context)."""
+    from conftest import make_draft
+    from transformers import MuseGlimmerAssistantModel
+
+    from flashdraft import DFlashProposer, GenerationConfig, Target, generate
+
+    target_dir, _ = dirs
+    target = Target.from_pretrained(target_dir, dtype=torch.float64)
+    make_draft(target.model, layers=2, block_size=8).save_pretrained(tmp_path / "draft")
+    assert main(["export", "--to", "transformers", str(tmp_path / "draft"), str(tmp_path / "hf"),
+                 "--target", str(target_dir)]) == 0  # fmt: skip
+    assistant = MuseGlimmerAssistantModel.from_pretrained(tmp_path / "hf", dtype=torch.float64)
+    ours = DFlashProposer(DFlashDraft.from_pretrained(tmp_path / "draft"), target)
+    for prompt in ([3, 17, 42, 9], [5, 6, 7, 8, 9, 10, 11]):
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            hf = target.model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                assistant_model=assistant,
+                speculation_type="dflash",
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert hf[0, len(prompt) :].tolist() == generate(target, prompt, ours, GenerationConfig(16)).tokens
+    # a draft transformers would run differently is refused with the reason
+    scaled = DFlashDraft.from_pretrained(tmp_path / "draft")
+    scaled.config.extra["output_multiplier"] = 2.0
+    scaled.save_pretrained(tmp_path / "scaled")
+    assert main(["export", "--to", "transformers", str(tmp_path / "scaled"), str(tmp_path / "x"),
+                 "--target", str(target_dir)]) == 2  # fmt: skip
+
+
+def test_generate_reports_device_and_dtype_and_warns_in_bf16(dirs):
+    target, draft = dirs
+    common = ["generate", "--target", str(target), "--prompt-ids", "3,17,42", "--max-new-tokens", "4"]
+    exact = run(*common, "--dtype", "float64", "--draft", str(draft), "--json")
+    out = json.loads(exact.stdout)
+    assert out["device"] == "cpu" and out["dtype"] == "float64" and "note: in" not in exact.stderr
+    proc = run(*common, "--dtype", "bfloat16", "--draft", str(draft), "--json")
+    assert "note: in bfloat16" in proc.stderr and "--dtype float32" in proc.stderr
+
+
+def test_device_auto_and_a_missing_gpu():
+    from flashdraft.target import TargetError, resolve_device
+
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu").type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(TargetError, match="no CUDA device; use --device cpu"):
+            resolve_device("cuda")
+    with pytest.raises(TargetError, match="--device must be auto, cpu or cuda"):
+        resolve_device("tpu-ish")
+
+
+def test_generate_chat_template_kwargs_reach_the_template():
+    """`--chat-template-kwargs` (thinking mode and the like) is passed to the chat template."""
+    from test_serve import make_tokenizer
+
+    from flashdraft.cli import _prompt_ids, build_parser
+
+    class Stub:
+        tokenizer = make_tokenizer()
+
+    base = ["generate", "--target", "x", "--prompt", "hi", "--chat"]
+    plain = _prompt_ids(build_parser().parse_args(base), Stub)
+    off = build_parser().parse_args([*base, "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert len(_prompt_ids(off, Stub)) > len(plain)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--chat-template-kwargs", "[1, 2]"])
+
+
+def test_hub_ids_from_the_local_cache(dirs, tmp_path):
+    """`--target owner/name` and `--draft owner/name` load from the Hugging Face cache while offline (the
+    default); an id that is not cached gives one line that says how to fetch it."""
+    import shutil
+
+    target, draft = dirs
+    cache = tmp_path / "hub"
+    for repo, src in (("acme/tiny-target", target), ("acme/tiny-draft", draft)):
+        root = cache / f"models--{repo.replace('/', '--')}"
+        shutil.copytree(src, root / "snapshots" / "0123abcd")
+        (root / "refs").mkdir()
+        (root / "refs" / "main").write_text("0123abcd")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"))
+    common = ["generate", "--prompt-ids", "3,17,42", "--max-new-tokens", "6", "--dtype", "float64", "--json"]
+
+    def cli(*args):
+        cmd = [sys.executable, "-m", "flashdraft", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+    by_path = cli(*common, "--target", str(target), "--draft", str(draft))
+    by_id = cli(*common, "--target", "acme/tiny-target", "--draft", "acme/tiny-draft")
+    assert by_id.returncode == 0, by_id.stderr
+    assert json.loads(by_id.stdout)["token_ids"] == json.loads(by_path.stdout)["token_ids"]
+    missing = cli(*common, "--target", "acme/not-there")
+    assert missing.returncode == 2
+    assert (
+        "not in the local Hugging Face cache" in missing.stderr
+        and "hf download acme/not-there" in missing.stderr
+    )

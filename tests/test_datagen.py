@@ -393,8 +393,8 @@ def _write_records(path, recs):
 
 def test_pack_round_trips_and_train_reads_it(tmp_path):
     from flashdraft.datagen import make_record, pack, read_packed
-    from flashdraft.train import TrainError
-    from flashdraft.train import read_records as train_records
+    from flashdraft.train_config import TrainError
+    from flashdraft.train_data import read_records as train_records
 
     g = torch.Generator().manual_seed(0)
     recs = [

@@ -28,8 +28,8 @@ class OracleProposer(Proposer):
     def __init__(self, prompt_len: int, truth: list[int], vocab: int, rng: random.Random):
         self.prompt_len, self.truth, self.vocab, self.rng = prompt_len, truth, vocab, rng
 
-    def propose(self, tokens, k, sampling, generator=None):
-        done = tokens.shape[1] - self.prompt_len  # generated tokens so far, anchor included
+    def propose_row(self, row, k):
+        done = len(row.tokens)  # generated tokens so far, anchor included
         guess = self.truth[done : done + k]
         guess += [self.rng.randrange(self.vocab) for _ in range(k - len(guess))]
         mode = self.rng.random()
@@ -40,7 +40,7 @@ class OracleProposer(Proposer):
             guess[i] = (guess[i] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
         else:
             guess[0] = (guess[0] + 1) % self.vocab
-        return torch.tensor([guess]), None
+        return torch.tensor(guess), None
 
 
 def hf_greedy(model, prompt: list[int], new: int, eos: int | None) -> list[int]:
@@ -172,7 +172,7 @@ def test_generate_accepts_what_tokenizers_return(tiny_llama):
     return_dict=True)` and tokenizer calls return) are one prompt; a batch of two is refused."""
     from transformers import BatchEncoding
 
-    from flashdraft.batch import generate_batch
+    from flashdraft import generate_batch
 
     cfg = GenerationConfig(max_new_tokens=6)
     ids = [5, 9, 17, 3]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_draft, make_hf_model
+from conftest import ARCHS, make_draft, make_hf_model
 from safetensors.torch import load_file, save_file
 
 from flashdraft import (
@@ -17,6 +17,7 @@ from flashdraft import (
     generate,
 )
 from flashdraft.draft import default_target_layer_ids
+from flashdraft.sequence import Row
 
 
 @pytest.mark.parametrize(
@@ -311,3 +312,33 @@ def test_bad_config_json(tmp_path, llama):
 def test_block_size_below_one(tmp_path, llama):
     with pytest.raises(DraftError, match="block_size must be >= 1"):
         DFlashDraft.from_pretrained(published_dir(tmp_path, llama, extra_config={"block_size": 0}))
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+def test_test_drafts_depend_on_their_context(arch_name):
+    """The test drafts must draft from the target's features, or the tests of context handling
+    (positions, caches, batching) pass whatever the code does: with the target's true features and
+    with noise of the same scale in their place, most drafted tokens must differ."""
+    model = make_hf_model(arch_name)
+    target = Target(model)
+    draft = make_draft(model, block_size=8)
+    g = torch.Generator().manual_seed(0)
+    changed = total = 0
+    for _ in range(10):
+        prompt = torch.randint(0, model.config.vocab_size, (12,), generator=g).tolist()
+        _, feats = target.forward(
+            torch.tensor([prompt]),
+            torch.arange(12)[None],
+            target.new_cache(),
+            features=draft.config.target_layer_ids,
+        )
+        noise = torch.randn(feats.shape, generator=g, dtype=feats.dtype) * feats.std()
+        blocks = []
+        for ctx in (feats[0, :-1], noise[0, :-1]):
+            proposer = DFlashProposer(draft, target)
+            row = Row("x", prompt[:-1], GenerationConfig(), 8, None, tokens=[prompt[-1]])
+            proposer.join([row], [ctx])
+            blocks.append(proposer.propose([row], [7])[0][0])
+        changed += int((blocks[0] != blocks[1]).sum())
+        total += blocks[0].numel()
+    assert changed / total > 0.5, f"only {changed} of {total} drafted tokens depend on the context"

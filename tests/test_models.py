@@ -17,8 +17,8 @@ import torch
 
 from flashdraft import cli, models
 from flashdraft.decode import GenerationConfig, generate
-from flashdraft.models import GgufSource, ModelError
-from flashdraft.target import Target, TargetError, load_target, resolve_dtype
+from flashdraft.models import GgufSource, ModelError, load_target
+from flashdraft.target import Target, TargetError, resolve_dtype
 
 SMOL = "smollm2-135m-instruct"
 

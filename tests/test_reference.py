@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import make_draft, make_hf_model
 
-from flashdraft import DFlashProposer, GenerationConfig, SamplingConfig, Target, generate
+from flashdraft import DFlashProposer, GenerationConfig, Target, generate
+from flashdraft.sequence import Row
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -56,9 +57,8 @@ def test_reference_drafts_the_same_block(pair):
     with torch.no_grad():
         out = model(prompt, output_hidden_states=True)
     ref_feats = dflash_model.extract_context_feature(out.hidden_states, theirs.target_layer_ids)
-    target.select_layers(ours.config.target_layer_ids)
     cache = target.new_cache()
-    _, our_feats = target.forward(prompt, torch.arange(9)[None], cache, features=True)
+    _, our_feats = target.forward(prompt, torch.arange(9)[None], cache, features=ours.config.target_layer_ids)
     torch.testing.assert_close(our_feats, ref_feats, rtol=1e-12, atol=1e-12)
 
     anchor = int(out.logits[0, -1].argmax())
@@ -72,13 +72,13 @@ def test_reference_drafts_the_same_block(pair):
         )
         ref_logits = theirs.compute_logits(hidden[:, 1:], model.lm_head)
 
-    proposer.start(our_feats)
-    tokens = torch.cat([prompt, torch.tensor([[anchor]])], 1)
+    row = Row("x", prompt[0].tolist(), GenerationConfig(), 8, None, tokens=[anchor])
+    proposer.join([row], [our_feats[0]])
     with torch.no_grad():
-        our_block, _ = proposer.propose(tokens, 7, SamplingConfig())
+        ((our_block, _),) = proposer.propose([row], [7])
         our_hidden = ours(target.embed(block), torch.arange(9, 17)[None], our_feats, torch.arange(9)[None])
         our_logits = ours.logits(our_hidden[:, 1:], model.lm_head)
-    assert our_block.tolist() == ref_logits.argmax(-1).tolist()
+    assert our_block.tolist() == ref_logits.argmax(-1)[0].tolist()
     # Their RMSNorm computes in float32 even for float64 inputs, hence the float32-level tolerance.
     torch.testing.assert_close(our_logits, ref_logits, rtol=1e-5, atol=1e-5)
 

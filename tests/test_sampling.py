@@ -13,7 +13,7 @@ import torch
 from conftest import make_draft, make_hf_model
 from scipy.stats import chisquare
 
-import flashdraft.decode as decode
+import flashdraft.engine as engine
 import flashdraft.sampling as sampling
 from flashdraft import DFlashProposer, GenerationConfig, Proposer, SamplingConfig, Target, generate
 from flashdraft.sampling import probs
@@ -34,10 +34,10 @@ class MarkovTarget:
         g = torch.Generator().manual_seed(seed)
         self.table = torch.randn(V, V, V, generator=g, dtype=torch.float64) * 1.5
 
-    def new_cache(self):
+    def new_cache(self, sliding=True):
         return []
 
-    def forward(self, input_ids, positions, cache, logits_to_keep=0, features=False):
+    def forward(self, input_ids, positions, cache, logits_to_keep=0, features=None, attention_mask=None):
         start = len(cache)
         cache.extend(input_ids[0].tolist())
         prev = [cache[i - 1] if i else 0 for i in range(start, len(cache))]
@@ -69,12 +69,12 @@ class MarkovDraft(Proposer):
         self.table = torch.randn(V, 8, V, generator=g, dtype=torch.float64) * 1.5
         self.proposal = proposal
 
-    def propose(self, tokens, k, cfg, generator=None):
-        logits = self.table[int(tokens[0, -1]), :k][None]
+    def propose_row(self, row, k):
+        logits = self.table[row.tokens[-1], :k][None]
         if self.proposal == "greedy":
-            return logits.argmax(-1), None
-        q = probs(logits, cfg)
-        return sampling.sample(q, generator), q
+            return logits.argmax(-1)[0], None
+        q = probs(logits, row.sampling)
+        return sampling.sample(q, row.generator)[0], q
 
 
 def sample_joint(target, proposer, cfg: SamplingConfig, n: int, block: int = 4, seed: int = 0) -> np.ndarray:
@@ -145,7 +145,7 @@ def _accept_if_likely(draft, p, q, generator=None):
 
 @pytest.mark.parametrize("broken", [_resample_from_p, _accept_if_likely])
 def test_distribution_test_has_power(monkeypatch, broken):
-    monkeypatch.setattr(decode, "verify_sampling", broken)
+    monkeypatch.setattr(engine, "verify_sampling", broken)
     cfg = SamplingConfig(1.0, top_p=0.8)
     target = MarkovTarget(seed=0)
     counts = sample_joint(target, MarkovDraft(seed=1, proposal="draft"), cfg, N_SAMPLES)

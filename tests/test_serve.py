@@ -2,8 +2,8 @@
 client (and raw HTTP for what that client cannot send).
 
 The target is a tiny random float64 Llama saved with a byte-level BPE tokenizer (so multi-byte characters
-arrive in pieces) and a ChatML chat template; the draft is random. Greedy answers must equal
-`flashdraft.decode.generate` on the same prompt ids, whatever else the batch holds.
+arrive in pieces) and a ChatML chat template; the draft is random, with a sliding-window layer. Greedy
+answers must equal `flashdraft.decode.generate` on the same prompt ids, whatever else the batch holds.
 """
 
 import http.client
@@ -28,9 +28,10 @@ from flashdraft.serve import TextStream
 
 KEY = "test-key-123"
 CONTEXT = 1024
-CHATML = (
+CHATML = (  # with a thinking switch, as Qwen3's template has (chat_template_kwargs reach it)
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>\n{% endif %}{% endif %}"
 )
 CORPUS = [
     "The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
@@ -90,7 +91,13 @@ def setup(tmp_path_factory):
     model = make_hf_model("llama", vocab=320, layers=4, max_pos=CONTEXT)
     model.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
-    make_draft(model, layers=2, block_size=8, mask_token_id=tok.mask_token_id).save_pretrained(root / "draft")
+    # The draft has a sliding-window layer (window 4, shorter than its block of 8): the engine serves
+    # such drafts in batches like any other.
+    draft = make_draft(model, layers=2, block_size=8, mask_token_id=tok.mask_token_id)
+    windowed = draft.config.replace(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    sliding = DFlashDraft(windowed).to(torch.float64)
+    sliding.load_state_dict(draft.state_dict())
+    sliding.save_pretrained(root / "draft")
 
     port = _free_port()
     log = open(root / "server.log", "w")
@@ -284,6 +291,9 @@ BAD = [
     ("token id outside vocab", "completions", {"model": "tiny", "prompt": [1, 99999]}, 400, "vocabulary"),
     ("n > 1", "completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n must be 1"),
     ("logprobs", "chat/completions", {"model": "tiny", "messages": MSG, "logprobs": True}, 400, "not supported"),
+    ("repetition_penalty", "completions", {"model": "tiny", "prompt": "hi", "repetition_penalty": 1.3}, 400, "not supported"),
+    ("min_p", "chat/completions", {"model": "tiny", "messages": MSG, "min_p": 0.1}, 400, "not supported"),
+    ("chat_template_kwargs not an object", "chat/completions", {"model": "tiny", "messages": MSG, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs"),
 ]  # fmt: skip
 
 
@@ -331,7 +341,52 @@ def test_api_key_is_required(setup):
 
 
 def _metrics(setup):
-    return _http(setup["base"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"})[1]
+    return _http(setup["base"] + "/metrics.json", headers={"Authorization": f"Bearer {KEY}"})[1]
+
+
+def test_chat_template_kwargs_reach_the_template(setup):
+    """Thinking mode off, as Qwen3-style templates take it: the prompt the server builds is the one the
+    template renders with those options; a neutral repetition_penalty (1.0) is accepted."""
+    tok, client = setup["target"].tokenizer, setup["client"]
+    msgs = [{"role": "user", "content": "Say hi."}]
+    off = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False, enable_thinking=False)
+    assert len(off) > len(chat_ids(setup, "Say hi."))
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "repetition_penalty": 1.0},
+    )
+    assert r.usage.prompt_tokens == len(off)
+
+
+def test_prometheus_metrics(setup):
+    """/metrics speaks Prometheus' text format (read back by its own parser) with vLLM-style names."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    setup["client"].completions.create(model="tiny", prompt="Count: one two", max_tokens=12, temperature=0)
+    deadline = time.time() + 30
+    while _metrics(setup)["requests_in_flight"] and time.time() < deadline:
+        time.sleep(0.1)
+    code_and_text = urllib.request.urlopen(
+        urllib.request.Request(setup["base"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}),
+        timeout=30,
+    )
+    assert code_and_text.headers["Content-Type"].startswith("text/plain")
+    text = code_and_text.read().decode()
+    samples = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            samples[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    m = _metrics(setup)
+    assert samples[("flashdraft:spec_decode_num_accepted_tokens_total", ())] == m["accepted_tokens"]
+    assert samples[("flashdraft:spec_decode_num_draft_tokens_total", ())] == m["draft_tokens"] > 0
+    assert samples[("flashdraft:spec_decode_num_drafts_total", ())] == m["drafts"] > 0
+    assert samples[("flashdraft:generation_tokens_total", ())] == m["completion_tokens_total"]
+    assert ("flashdraft:request_success_total", (("finished_reason", "length"),)) in samples
+    per_pos = {k[1][0][1]: v for k, v in samples.items() if k[0].endswith("accepted_tokens_per_pos_total")}
+    assert sum(per_pos.values()) == m["accepted_tokens"]
 
 
 def test_disconnect_mid_stream_frees_the_slot(setup):

@@ -16,8 +16,13 @@ import torch
 from conftest import make_draft, make_hf_model
 from safetensors.torch import load_file
 
-from flashdraft import DFlashDraft, DFlashProposer, SamplingConfig, Target
+from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, Target
 from flashdraft import train as T
+from flashdraft import train_config as TC
+from flashdraft import train_data as TD
+from flashdraft import train_loss as TL
+from flashdraft import train_state as TS
+from flashdraft.sequence import Row
 
 VOCAB, MASK, B = 128, 3, 4  # tiny models: block size 4, mask id 3 (never in the data)
 
@@ -60,7 +65,7 @@ def _padded(anchors):
 
 def pitfall_le_anchor(anchors, ctx_len, block_size):
     """`<= anchor`: the block also sees the anchor position's own target features."""
-    m = T.build_mask(_padded(anchors), ctx_len, block_size).clone()
+    m = TL.build_mask(_padded(anchors), ctx_len, block_size).clone()
     a = _padded(anchors).repeat_interleave(block_size, dim=1)
     m[..., :ctx_len] = (torch.arange(ctx_len)[None, None] <= a[..., None]) & (a[..., None] >= 0)
     return m
@@ -68,7 +73,7 @@ def pitfall_le_anchor(anchors, ctx_len, block_size):
 
 def pitfall_ctx_by_block_index(anchors, ctx_len, block_size):
     """Context visibility decided by the block's index (as if blocks tiled the sequence), not its anchor."""
-    m = T.build_mask(_padded(anchors), ctx_len, block_size).clone()
+    m = TL.build_mask(_padded(anchors), ctx_len, block_size).clone()
     a = _padded(anchors)
     start = (torch.arange(a.shape[1]) * block_size)[None].expand_as(a)
     start = torch.where(a >= 0, start, torch.full_like(a, -1)).repeat_interleave(block_size, dim=1)
@@ -78,7 +83,7 @@ def pitfall_ctx_by_block_index(anchors, ctx_len, block_size):
 
 def pitfall_blocks_see_earlier(anchors, ctx_len, block_size):
     """Cross-block visibility by block index: a block also attends to the blocks listed before it."""
-    m = T.build_mask(_padded(anchors), ctx_len, block_size).clone()
+    m = TL.build_mask(_padded(anchors), ctx_len, block_size).clone()
     a = _padded(anchors).repeat_interleave(block_size, dim=1)
     slot = torch.arange(a.shape[1]) // block_size
     real = a >= 0
@@ -94,17 +99,17 @@ ANCHOR_SETS = [[[5, 6, 13, 20]], [[2, 9], [4, 5, 6, 15, 16]], [[0, 11, 12]]]  # 
 def test_mask_matches_brute_force_and_pitfalls_do_not(anchors):
     ctx_len = 24
     ref = reference_mask(anchors, ctx_len, B)
-    assert torch.equal(T.build_mask(_padded(anchors), ctx_len, B), ref)
+    assert torch.equal(TL.build_mask(_padded(anchors), ctx_len, B), ref)
     for pitfall in PITFALLS:
         assert not torch.equal(pitfall(anchors, ctx_len, B), ref), pitfall.__name__
 
 
 def test_padding_rows_are_made_safe_and_nothing_else_changes():
     anchors = [[2, 9], [4, 5, 6]]
-    m = T.build_mask(_padded(anchors), 20, B)
+    m = TL.build_mask(_padded(anchors), 20, B)
     pad_rows = ~m.any(-1)
     assert int(pad_rows.sum()) == B  # one padding block in sequence 0
-    safe = T.make_rows_safe(m, 20)
+    safe = TL.make_rows_safe(m, 20)
     assert safe.any(-1).all()
     assert torch.equal(safe[~pad_rows], m[~pad_rows])
     rows = pad_rows.nonzero()
@@ -120,7 +125,7 @@ def test_labels_are_same_position_and_weights_decay():
     loss_mask[17] = False  # a hole: its label gets no weight
     anchors = torch.tensor([8, 9, 14, 26, 28])  # 28: the last two indices fall past the end
     gamma = 2.5
-    labels, weights = T.block_targets(ids, loss_mask, anchors, B, gamma)
+    labels, weights = TL.block_targets(ids, loss_mask, anchors, B, gamma)
     for b, a in enumerate(anchors.tolist()):
         for k in range(B):
             p = a + k
@@ -137,26 +142,26 @@ def test_block_loss_is_weighted_mean_of_cross_entropy():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(12, VOCAB, generator=g, dtype=torch.float64)
     labels = torch.randint(0, VOCAB, (12,), generator=g)
-    w = T.block_weights(B, 7.0).repeat(3)
-    wce, wsum = T.block_loss(logits, labels, w)
+    w = TL.block_weights(B, 7.0).repeat(3)
+    wce, wsum = TL.block_loss(logits, labels, w)
     logp = torch.log_softmax(logits, -1)
     manual = sum(-w[i] * logp[i, labels[i]] for i in range(12)) / w.sum()
     assert (wce / wsum).item() == pytest.approx(manual.item(), rel=1e-12)
-    assert T.block_weights(16, 7.0)[1:].tolist() == pytest.approx(
+    assert TL.block_weights(16, 7.0)[1:].tolist() == pytest.approx(
         [math.exp(-(k - 1) / 7) for k in range(1, 16)]
     )
-    assert T.block_weights(16, 7.0)[0] == 0
-    assert [T.resolve_gamma(b, None) for b in (16, 10, 8)] == [7, 5, 4]
-    with pytest.raises(T.TrainError, match="explicit --gamma"):
-        T.resolve_gamma(12, None)
+    assert TL.block_weights(16, 7.0)[0] == 0
+    assert [TC.resolve_gamma(b, None) for b in (16, 10, 8)] == [7, 5, 4]
+    with pytest.raises(TC.TrainError, match="explicit --gamma"):
+        TC.resolve_gamma(12, None)
 
 
 def test_sample_anchors_rules():
     mask = torch.zeros(40, dtype=torch.bool)
     mask[10:] = True
-    a = T.sample_anchors(mask, B, 512, torch.Generator().manual_seed(0))
+    a = TD.sample_anchors(mask, B, 512, torch.Generator().manual_seed(0))
     assert a.tolist() == list(range(10, 40 - B + 1))  # every response position with room for a block
-    picks = [T.sample_anchors(mask, B, 5, T._generator(0, "anchors", e, 0)) for e in range(3)]
+    picks = [TD.sample_anchors(mask, B, 5, TD._generator(0, "anchors", e, 0)) for e in range(3)]
     for p in picks:
         assert p.numel() == 5 and torch.equal(p, p.sort().values) and p.unique().numel() == 5
         assert int(p.min()) >= 10 and int(p.max()) <= 40 - B
@@ -178,7 +183,6 @@ def tiny():
     model = make_hf_model("llama", vocab=VOCAB)
     target = Target(model)
     draft = make_draft(model, layers=2, block_size=B, mask_token_id=MASK)
-    target.select_layers(draft.config.target_layer_ids)
     return target, draft
 
 
@@ -207,13 +211,13 @@ def test_training_forward_equals_inference_forward(tiny, pitfall):
     loss_mask = torch.zeros(30, dtype=torch.bool)
     loss_mask[8:] = True
     anchors = [8, 9, 15, 16, 26]
-    batch = T.build_batch([(ids, loss_mask)], [torch.tensor(anchors)], B, MASK, 4.0)
+    batch = TL.build_batch([(ids, loss_mask)], [torch.tensor(anchors)], B, MASK, 4.0)
     if pitfall is not None:
         batch.mask = pitfall([anchors], batch.ids.shape[1], B)
-    feats = T.target_features(target, batch)
+    feats = TL.target_features(target, batch, draft.config.target_layer_ids)
     with torch.no_grad():
         train_logits = draft.logits(
-            T.draft_hidden(draft, target, batch, torch.float64, feats), target.lm_head
+            TL.draft_hidden(draft, target, batch, torch.float64, feats), target.lm_head
         )[0]
         diffs = []
         for b, a in enumerate(anchors):
@@ -230,28 +234,36 @@ def test_training_forward_matches_proposer_and_padding_changes_nothing(tiny):
     g = torch.Generator().manual_seed(3)
     seqs = [(torch.randint(4, VOCAB, (n,), generator=g), torch.arange(n) >= 6) for n in (26, 18)]
     anchors = [torch.tensor([6, 7, 12, 19]), torch.tensor([9])]
-    batch = T.build_batch(seqs, anchors, B, MASK, 4.0)
+    batch = TL.build_batch(seqs, anchors, B, MASK, 4.0)
     with torch.no_grad():
-        both = draft.logits(T.draft_hidden(draft, target, batch, torch.float64), target.lm_head)
+        both = draft.logits(TL.draft_hidden(draft, target, batch, torch.float64), target.lm_head)
         assert torch.isfinite(both).all()  # padded rows (sequence 1 has one block of four) are safe
         for i, (s, a) in enumerate(zip(seqs, anchors, strict=True)):
-            alone = T.build_batch([s], [a], B, MASK, 4.0)
-            one = draft.logits(T.draft_hidden(draft, target, alone, torch.float64), target.lm_head)[0]
+            alone = TL.build_batch([s], [a], B, MASK, 4.0)
+            one = draft.logits(TL.draft_hidden(draft, target, alone, torch.float64), target.lm_head)[0]
             assert (both[i, : one.shape[0]] - one).abs().max() < 1e-10
             # the real proposer, fed the context like the decode loop, drafts the argmax of these logits
             ids = s[0]
-            feats = T.target_features(target, alone)
+            feats = TL.target_features(target, alone, draft.config.target_layer_ids)
             for b, anc in enumerate(a.tolist()):
                 proposer = DFlashProposer(draft, target)
-                proposer.start(feats[:, : anc // 2])
-                proposer.accept(feats[:, anc // 2 : anc])
-                drafted, _ = proposer.propose(ids[None, : anc + 1], B - 1, SamplingConfig())
-                assert drafted[0].tolist() == one[b * B + 1 : (b + 1) * B].argmax(-1).tolist()
+                row = Row("x", ids[: anc // 2].tolist(), GenerationConfig(), B, None)
+                row.tokens = ids[anc // 2 : anc + 1].tolist()
+                proposer.join([row], [feats[0, : anc // 2]])
+                proposer.accept(feats[:, anc // 2 : anc], [anc - anc // 2])
+                ((drafted, _),) = proposer.propose([row], [B - 1])
+                want = one[b * B + 1 : (b + 1) * B]
+                assert drafted.tolist() == want.argmax(-1).tolist()
+                assert (proposer.last_logits[0] - want).abs().max() < 1e-10  # logit level, not only argmax
     # gradients through a padded batch stay finite and equal the sum of the parts
-    wce, w = T.batch_loss(draft, target, T.FrozenHead(target.lm_head), batch, torch.float64)
+    wce, w = TL.batch_loss(draft, target, TL.FrozenHead(target.lm_head), batch, torch.float64)
     parts = [
-        T.batch_loss(
-            draft, target, T.FrozenHead(target.lm_head), T.build_batch([s], [a], B, MASK, 4.0), torch.float64
+        TL.batch_loss(
+            draft,
+            target,
+            TL.FrozenHead(target.lm_head),
+            TL.build_batch([s], [a], B, MASK, 4.0),
+            torch.float64,
         )
         for s, a in zip(seqs, anchors, strict=True)
     ]
@@ -300,7 +312,7 @@ def files(tmp_path_factory):
     return root
 
 
-def config(files, out, **kw) -> T.TrainConfig:
+def config(files, out, **kw) -> TC.TrainConfig:
     base = dict(
         target=str(files / "target"),
         data=[str(files / "data.jsonl")],
@@ -321,7 +333,7 @@ def config(files, out, **kw) -> T.TrainConfig:
         epochs=3,
     )
     base.update(kw)
-    return T.TrainConfig(**base)
+    return TC.TrainConfig(**base)
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -360,22 +372,22 @@ def test_run_writes_metrics_plot_checkpoints_and_a_loadable_draft(files, tmp_pat
 
 def test_bad_inputs_fail_clearly(files, tmp_path):
     other_vocab = write_data(tmp_path / "big.jsonl", 4, vocab=5000)
-    with pytest.raises(T.TrainError, match="outside the target vocabulary.*another tokenizer"):
+    with pytest.raises(TC.TrainError, match="outside the vocabulary.*another tokenizer"):
         T.train(config(files, tmp_path / "a", data=[str(other_vocab)]))
     empty = write_data(tmp_path / "empty.jsonl", 4, no_response=True)
-    with pytest.raises(T.TrainError, match="no record .* has response tokens"):
+    with pytest.raises(TC.TrainError, match="no record .* has response tokens"):
         T.train(config(files, tmp_path / "b", data=[str(empty)]))
-    with pytest.raises(T.TrainError, match="block size 16 cannot fit"):
+    with pytest.raises(TC.TrainError, match="block size 16 cannot fit"):
         T.train(config(files, tmp_path / "c", block_size=16, gamma=None, max_len=512))
-    with pytest.raises(T.TrainError, match="cannot fit"):
+    with pytest.raises(TC.TrainError, match="cannot fit"):
         T.train(config(files, tmp_path / "d", block_size=40, max_len=64))
-    with pytest.raises(T.TrainError, match="block-size must be >= 2"):
+    with pytest.raises(TC.TrainError, match="block-size must be >= 2"):
         T.train(config(files, tmp_path / "e", block_size=1))
 
 
 def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(files, tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = T.batch_loss
+    real = TL.batch_loss
 
     def poisoned(*args, **kw):
         calls["n"] += 1
@@ -385,27 +397,27 @@ def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(files, tmp_path
     monkeypatch.setattr(T, "batch_loss", poisoned)
     out = tmp_path / "nan"
     with pytest.raises(
-        T.TrainError, match=r"loss is nan at step (\d+).*last good checkpoint is .*step-0+(\d+)"
+        TC.TrainError, match=r"loss is nan at step (\d+).*last good checkpoint is .*step-0+(\d+)"
     ) as e:
         T.train(config(files, out, save_every=2, max_steps=10))
     failed, kept = map(int, re.search(r"step (\d+) .*step-0+(\d+)", str(e.value)).groups())
     assert kept == (failed - 1) // 2 * 2 and kept >= 2
-    assert [p.name for p in T.checkpoint_dirs(out)][-1] == f"step-{kept:08d}"
+    assert [p.name for p in TS.checkpoint_dirs(out)][-1] == f"step-{kept:08d}"
     DFlashDraft.from_pretrained(out / "checkpoints" / f"step-{kept:08d}")  # the kept checkpoint loads
 
 
 def test_resume_refuses_another_run(files, tmp_path):
     out = tmp_path / "run"
     T.train(config(files, out, max_steps=2))
-    with pytest.raises(T.TrainError, match="pass --resume"):
+    with pytest.raises(TC.TrainError, match="pass --resume"):
         T.train(config(files, out, max_steps=2))
-    with pytest.raises(T.TrainError, match="different run.*--block-size: checkpoint 4, now 8"):
+    with pytest.raises(TC.TrainError, match="different run.*--block-size: checkpoint 4, now 8"):
         T.train(config(files, out, max_steps=2, block_size=8, gamma=None, resume=True))
-    with pytest.raises(T.TrainError, match="different run.*data files"):
+    with pytest.raises(TC.TrainError, match="different run.*data files"):
         T.train(config(files, out, max_steps=2, data=[str(files / "data2.jsonl")], resume=True))
-    with pytest.raises(T.TrainError, match="different run.*target model"):
+    with pytest.raises(TC.TrainError, match="different run.*target model"):
         T.train(config(files, out, max_steps=2, target=str(files / "other_target"), resume=True))
-    with pytest.raises(T.TrainError, match="no checkpoint"):
+    with pytest.raises(TC.TrainError, match="no checkpoint"):
         T.train(config(files, tmp_path / "fresh", resume=True))
     T.train(config(files, out, max_steps=2, resume=True, eval_every=5))  # the same run: accepted
 
@@ -413,10 +425,11 @@ def test_resume_refuses_another_run(files, tmp_path):
 KILLER = """
 import os, signal, sys
 import flashdraft.train as T
+import flashdraft.train_state as TS
 kind, at = os.environ["KILL_AT"].split(":")
 at = int(at)
 now = {"step": -1}
-real_lr, real_loss, real_save = T.lr_at, T.batch_loss, T.save_file
+real_lr, real_loss, real_save = T.lr_at, T.batch_loss, TS.save_file
 
 def lr_at(step, *a):
     now["step"] = step
@@ -432,7 +445,7 @@ def save_file(tensors, path, *a, **k):
     real_save(tensors, path, *a, **k)
     if kind == "save" and f"step-{at:08d}" in path:
         os.kill(os.getpid(), signal.SIGKILL)  # inside a checkpoint write: weights written, the rest not
-T.lr_at, T.batch_loss, T.save_file = lr_at, batch_loss, save_file
+T.lr_at, T.batch_loss, TS.save_file = lr_at, batch_loss, save_file
 from flashdraft.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -478,7 +491,7 @@ def test_kill9_then_resume_ends_at_the_uninterrupted_weights(files, tmp_path):
             timeout=240,
         )
         assert proc.returncode == -9, proc.stderr[-3000:]
-        assert T.checkpoint_dirs(out)[-1].name == "step-00000004"
+        assert TS.checkpoint_dirs(out)[-1].name == "step-00000004"
     assert list(
         (out / "checkpoints").glob(".step-00000006.*.tmp")
     )  # the half-written checkpoint is a temp dir
@@ -542,7 +555,7 @@ def test_cli_help_lists_the_issue_options():
     text = build_parser().parse_args(
         ["train", "--target", "t", "--data", "a.jsonl,b.jsonl", "--out", "o", "--gamma", "auto"]
     )
-    cfg = T.TrainConfig.from_args(text)
+    cfg = TC.TrainConfig.from_args(text)
     assert cfg.data == ["a.jsonl", "b.jsonl"] and cfg.gamma is None and cfg.anchors == 512 and cfg.epochs == 6
     assert cfg.lr == 6e-4 and cfg.block_size == 16 and cfg.layers == 5 and cfg.max_len == 3072
 
@@ -555,25 +568,25 @@ def test_block_layout_equals_dense_mask_on_a_padded_batch(tiny):
     g = torch.Generator().manual_seed(4)
     seqs = [(torch.randint(4, VOCAB, (n,), generator=g), torch.arange(n) >= 5) for n in (27, 16)]
     anchors = [torch.tensor([5, 6, 11, 20, 23]), torch.tensor([7, 9])]
-    fast = T.build_batch(seqs, anchors, B, MASK, 4.0)
-    dense = T.build_batch(seqs, anchors, B, MASK, 4.0)
-    dense.mask = T.build_mask(dense.anchors, dense.ids.shape[1], B)
+    fast = TL.build_batch(seqs, anchors, B, MASK, 4.0)
+    dense = TL.build_batch(seqs, anchors, B, MASK, 4.0)
+    dense.mask = TL.build_mask(dense.anchors, dense.ids.shape[1], B)
     with torch.no_grad():
-        a = T.draft_hidden(draft, target, fast, torch.float64)
-        b = T.draft_hidden(draft, target, dense, torch.float64)
+        a = TL.draft_hidden(draft, target, fast, torch.float64)
+        b = TL.draft_hidden(draft, target, dense, torch.float64)
     real = fast.weights > 0
     assert (a[real] - b[real]).abs().max() < 1e-10
 
 
 def test_sub_vocabulary_loss_and_rows():
     seqs = [
-        T.Sequence("a", torch.tensor([9, 5, 5, 5, 7, 7, 1]), torch.tensor([0, 1, 1, 1, 1, 1, 1]).bool(), 1),
-        T.Sequence("b", torch.tensor([2, 7, 3]), torch.tensor([0, 1, 1]).bool(), 1),
+        TD.Sequence("a", torch.tensor([9, 5, 5, 5, 7, 7, 1]), torch.tensor([0, 1, 1, 1, 1, 1, 1]).bool(), 1),
+        TD.Sequence("b", torch.tensor([2, 7, 3]), torch.tensor([0, 1, 1]).bool(), 1),
     ]
-    rows, cover = T.head_rows(seqs, 2, 12)
+    rows, cover = TD.head_rows(seqs, 2, 12)
     assert rows.tolist() == [5, 7] and cover == pytest.approx(6 / 8)  # 9 and 2 are prompt tokens
     lm_head = torch.nn.Linear(8, 12, bias=False)
-    head = T.FrozenHead(lm_head, torch.float64, torch.tensor([1, 5, 7]))
+    head = TL.FrozenHead(lm_head, torch.float64, torch.tensor([1, 5, 7]))
     h = torch.randn(4, 8, dtype=torch.float64)
     assert torch.allclose(head(h), lm_head.double()(h)[:, [1, 5, 7]])
     assert head.index[torch.tensor([5, 7, 1, 3])].tolist() == [1, 2, 0, -1]
@@ -585,18 +598,16 @@ def test_sub_vocabulary_and_distillation_against_brute_force(tiny):
     ids = torch.randint(4, VOCAB, (24,), generator=g)
     seqs = [(ids, torch.arange(24) >= 6)]
     anchors = [torch.tensor([6, 8, 9, 14, 20])]  # 6, 8 and 9 overlap: shared teacher positions
-    batch = T.build_batch(seqs, anchors, B, MASK, 4.0)
+    batch = TL.build_batch(seqs, anchors, B, MASK, 4.0)
     rows = torch.arange(0, VOCAB, 2)  # even ids only: odd labels must carry no loss
-    head = T.FrozenHead(target.lm_head, torch.float64, rows)
-    full = T.FrozenHead(target.lm_head, torch.float64)
-    target.select_layers(draft.config.target_layer_ids + [target.num_layers - 1])
-    feats = T.target_features(target, batch)
+    head = TL.FrozenHead(target.lm_head, torch.float64, rows)
+    full = TL.FrozenHead(target.lm_head, torch.float64)
+    feats = TL.target_features(target, batch, draft.config.target_layer_ids + [target.num_layers - 1])
     n = len(draft.config.target_layer_ids) * target.hidden_size
-    target.select_layers(draft.config.target_layer_ids)
     with torch.no_grad():
-        hidden = T.draft_hidden(draft, target, batch, torch.float64, feats[..., :n])[0]
-        sub_ce, sub_w = T.batch_loss(draft, target, head, batch, torch.float64, features=feats[..., :n])
-        kl, kl_w = T.batch_loss(
+        hidden = TL.draft_hidden(draft, target, batch, torch.float64, feats[..., :n])[0]
+        sub_ce, sub_w = TL.batch_loss(draft, target, head, batch, torch.float64, features=feats[..., :n])
+        kl, kl_w = TL.batch_loss(
             draft, target, full, batch, torch.float64, features=feats[..., :n], teacher=feats[..., n:]
         )
     teacher_all = target.model(ids[None]).logits[0].double()  # the target's own next-token logits
@@ -616,7 +627,7 @@ def test_sub_vocabulary_and_distillation_against_brute_force(tiny):
             ref_kw += w
     assert sub_ce.item() == pytest.approx(ref_ce, rel=1e-9) and sub_w.item() == pytest.approx(ref_w)
     assert kl.item() == pytest.approx(ref_kl, rel=1e-6) and kl_w.item() == pytest.approx(ref_kw)
-    assert T.block_loss(teacher_all[:3], None, torch.ones(3), teacher_all[:3])[0].abs() < 1e-12
+    assert TL.block_loss(teacher_all[:3], None, torch.ones(3), teacher_all[:3])[0].abs() < 1e-12
 
 
 def test_init_from_target_copies_the_top_layers(tiny):
@@ -649,8 +660,8 @@ def test_run_with_all_sample_efficiency_options(files, tmp_path):
     assert summary["last_loss"] < summary["first_loss"]
     draft = DFlashDraft.from_pretrained(tmp_path / "run" / "draft")
     # It proposes only from the rows it was trained on: the 40 most frequent response tokens.
-    data = T.prepare_data(config(files, tmp_path / "x"), VOCAB)[0]
-    assert draft.vocab.tolist() == T.head_rows(data, 40, VOCAB)[0].tolist()
+    data = TD.prepare_data(config(files, tmp_path / "x"), VOCAB)[0]
+    assert draft.vocab.tolist() == TD.head_rows(data, 40, VOCAB)[0].tolist()
 
 
 def test_the_loop_reads_the_configured_layers_and_resamples_anchors(files, tmp_path, monkeypatch):
@@ -658,11 +669,11 @@ def test_the_loop_reads_the_configured_layers_and_resamples_anchors(files, tmp_p
     layers (plus the last one, the teacher, with --distill), and each sequence gets fresh anchors
     every epoch."""
     layers, anchors = [], {}
-    real_features, real_anchors = T.target_features, T.sample_anchors
+    real_features, real_anchors = TL.target_features, TD.sample_anchors
 
-    def spy_features(target, batch):
-        layers.append(list(target._layer_ids))
-        return real_features(target, batch)
+    def spy_features(target, batch, ids):
+        layers.append(list(ids))
+        return real_features(target, batch, ids)
 
     def spy_anchors(loss_mask, block_size, max_anchors, generator=None):
         out = real_anchors(loss_mask, block_size, max_anchors, generator)

@@ -14,6 +14,8 @@ from conftest import make_chat_target, make_hf_model
 from safetensors.torch import load_file
 
 from flashdraft import train as T
+from flashdraft import train_config as TC
+from flashdraft import train_data as TD
 from flashdraft.data import load_corpus, sharegpt_split
 from flashdraft.datagen import _chat_ids
 
@@ -27,7 +29,7 @@ def chat(tmp_path_factory):
     return d, tok
 
 
-def corpus_config(target, out, **kw) -> T.TrainConfig:
+def corpus_config(target, out, **kw) -> TC.TrainConfig:
     base = dict(
         target=str(target),
         data=["sharegpt"],
@@ -47,13 +49,13 @@ def corpus_config(target, out, **kw) -> T.TrainConfig:
         epochs=1,
         max_steps=2,
     )
-    return T.TrainConfig(**(base | kw))
+    return TC.TrainConfig(**(base | kw))
 
 
 def test_corpus_records_are_the_chat_template_and_the_recorded_answer(chat):
     _, tok = chat
     pairs = load_corpus("sharegpt", limit=4)
-    records = T.corpus_records("sharegpt", tok, limit=4)
+    records = TD.corpus_records("sharegpt", tok, limit=4)
     assert len(records) == 4
     for (ex, answer), r in zip(pairs, records, strict=True):
         assert sharegpt_split(ex.turns[0]) == "train"
@@ -62,7 +64,7 @@ def test_corpus_records_are_the_chat_template_and_the_recorded_answer(chat):
         assert r["response_ids"][-1] == EOS and EOS not in r["response_ids"][:-1]
         assert tok.decode(r["response_ids"][:-1]).strip() == answer.strip()
         assert r["loss_mask"] == [0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"])
-    assert T.corpus_records("sharegpt", tok, limit=2, skip=2) == records[2:]  # a fresh slice per sitting
+    assert TD.corpus_records("sharegpt", tok, limit=2, skip=2) == records[2:]  # a fresh slice per sitting
 
 
 def test_train_on_a_corpus_with_distillation(chat, tmp_path):
@@ -77,17 +79,17 @@ def test_train_on_a_corpus_with_distillation(chat, tmp_path):
 def test_evaluation_prompts_never_enter_training(chat, tmp_path):
     target, tok = chat
     for name in ("sharegpt-eval", "gsm-symbolic-eval", "mt-bench"):
-        with pytest.raises(T.TrainError, match="evaluation set: it can never be trained on"):
+        with pytest.raises(TC.TrainError, match="evaluation set: it can never be trained on"):
             T.train(corpus_config(target, tmp_path / name, data=[name]))
     # A data file that smuggles an evaluation prompt in is refused too, whatever its name.
     leak = tmp_path / "leak.jsonl"
-    prompt = T.dataset_prompts("sharegpt-eval", 1, tok)[0]
+    prompt = TD.dataset_prompts("sharegpt-eval", 1, tok)[0]
     with leak.open("w") as f:
         for i, p in enumerate([[5, 6, 7], prompt]):
             resp = list(range(100, 140))
             rec = {"id": f"r{i}", "prompt_ids": p, "response_ids": resp, "loss_mask": [0] * len(p) + [1] * 40}
             f.write(json.dumps(rec) + "\n")
-    with pytest.raises(T.TrainError, match=r"1 training record.*evaluation prompt \(first: r1\)"):
+    with pytest.raises(TC.TrainError, match=r"1 training record.*evaluation prompt \(first: r1\)"):
         T.train(
             corpus_config(target, tmp_path / "x", data=[str(leak)], eval_data="sharegpt-eval", eval_prompts=1)
         )
@@ -95,7 +97,7 @@ def test_evaluation_prompts_never_enter_training(chat, tmp_path):
 
 def test_mixing_weights_hold_whatever_the_sizes():
     sources = [0] * 10 + [1] * 90  # a small and a large source, mixed half and half
-    epochs = [T.epoch_mix(sources, [1.0, 1.0], seed=0, epoch=e) for e in range(3)]
+    epochs = [TD.epoch_mix(sources, [1.0, 1.0], seed=0, epoch=e) for e in range(3)]
     for members in epochs:
         assert len(members) == 100
         share = Counter(sources[i] for i in members)
@@ -104,10 +106,10 @@ def test_mixing_weights_hold_whatever_the_sizes():
         assert Counter(small) == {i: 5 for i in range(10)}  # cycled whole, never one favoured
         assert len(set(i for i in members if sources[i] == 1)) == 50  # drawn without replacement
     assert epochs[0] != epochs[1]  # a fresh draw every epoch
-    assert T.data_source("sharegpt:0.7") == ("sharegpt", 0.7)
-    assert T.data_source("a.jsonl") == ("a.jsonl", None)
-    with pytest.raises(T.TrainError, match="weight after ':' must be > 0"):
-        T.data_source("sharegpt:0")
+    assert TC.data_source("sharegpt:0.7") == ("sharegpt", 0.7)
+    assert TC.data_source("a.jsonl") == ("a.jsonl", None)
+    with pytest.raises(TC.TrainError, match="weight after ':' must be > 0"):
+        TC.data_source("sharegpt:0")
 
 
 def test_mixed_run_draws_each_source_by_its_weight(chat, tmp_path):
@@ -124,12 +126,12 @@ def test_mixed_run_draws_each_source_by_its_weight(chat, tmp_path):
     cfg = corpus_config(
         target, tmp_path / "mix", data=["sharegpt:1", f"{small}:1"], batch_tokens=64, epochs=1
     )
-    seqs, _, stats = T.prepare_data(cfg, 49152, tok)
+    seqs, _, stats = TD.prepare_data(cfg, 49152, tok)
     assert stats["weights"] == [1.0, 1.0] and [s.source for s in seqs].count(1) == 1
-    members = T.epoch_mix([s.source for s in seqs], stats["weights"], 0, 0)
+    members = TD.epoch_mix([s.source for s in seqs], stats["weights"], 0, 0)
     assert Counter(seqs[i].id for i in members)["only"] == round(len(seqs) / 2) > 1
-    with pytest.raises(T.TrainError, match="give every item a mixing weight"):
-        T.check_config(corpus_config(target, tmp_path / "m2", data=["sharegpt:1", str(small)]))
+    with pytest.raises(TC.TrainError, match="give every item a mixing weight"):
+        TC.check_config(corpus_config(target, tmp_path / "m2", data=["sharegpt:1", str(small)]))
 
 
 def test_init_draft_starts_from_its_weights(tmp_path):
@@ -140,7 +142,7 @@ def test_init_draft_starts_from_its_weights(tmp_path):
     write_data(tmp_path / "data.jsonl", 8)
     start = make_draft(make_hf_model("llama", vocab=VOCAB), layers=1, block_size=4, target_layer_ids=[0, 2])
     start.save_pretrained(tmp_path / "start", dtype=torch.float32)
-    cfg = T.TrainConfig(
+    cfg = TC.TrainConfig(
         target=str(tmp_path / "target"),
         data=[str(tmp_path / "data.jsonl")],
         out=str(tmp_path / "run"),
@@ -166,7 +168,7 @@ def test_init_draft_starts_from_its_weights(tmp_path):
     assert json.loads((tmp_path / "run" / "draft" / "config.json").read_text())["dflash_config"][
         "target_layer_ids"
     ] == [0, 2]
-    with pytest.raises(T.TrainError, match="--init-draft .*not found"):
+    with pytest.raises(TC.TrainError, match="--init-draft .*not found"):
         T.train(dataclasses.replace(cfg, out=str(tmp_path / "r2"), init_draft=str(tmp_path)))
 
 
@@ -181,7 +183,7 @@ def test_eval_refs_evaluate_by_the_offline_walk_and_are_kept_out_of_training(tmp
     write_data(tmp_path / "data.jsonl", 8)
     refs = greedy_references(Target(model.float()), {"x": [[5, 6, 7, 8], [9, 10, 11]]}, 20)
     write_references(refs, tmp_path / "refs.jsonl")
-    cfg = T.TrainConfig(
+    cfg = TC.TrainConfig(
         target=str(tmp_path / "target"),
         data=[str(tmp_path / "data.jsonl")],
         out=str(tmp_path / "run"),
@@ -204,5 +206,5 @@ def test_eval_refs_evaluate_by_the_offline_walk_and_are_kept_out_of_training(tmp
     write_references(
         refs + [{"set": "x", "prompt_ids": first["prompt_ids"], "response_ids": [4, 5]}], tmp_path / "r2"
     )
-    with pytest.raises(T.TrainError, match="evaluation prompt"):
+    with pytest.raises(TC.TrainError, match="evaluation prompt"):
         T.train(dataclasses.replace(cfg, out=str(tmp_path / "run2"), eval_refs=str(tmp_path / "r2")))

@@ -1,0 +1,318 @@
+"""The decode engine: lossless speculative decoding for one request or many, with continuous batching.
+
+One `step()` drives everything. It drafts up to B-1 tokens after every running row's anchor (its last
+committed token), verifies all rows' [anchor, drafts] blocks in one causal target forward, commits
+each row's accepted prefix plus the target's own next token, and crops the caches back to what was
+committed. Rows (requests, `flashdraft.sequence.Row`) join between steps with a prefill and leave when
+they stop, reach their length or are cancelled. With no proposer, or B = 1, every step verifies the
+anchor alone: plain decoding, through the same code. `decode.generate` is this engine at batch 1.
+
+Rows of different lengths share one cache through per-slot positions (`flashdraft.slots`): then every
+forward needs an explicit attention mask. While the rows are aligned (every row's slot i holds its
+position i, always so at batch 1) the engine passes no mask and pays nothing for batching.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .draft import DFlashDraft
+from .proposers import DFlashProposer, Proposer
+from .sampling import SamplingConfig, next_token, probs, verify_sampling
+from .sequence import GenerationConfig, Row, check_prompt, prompt_tensor
+from .slots import DEAD, gather_slots, live_order, map_target_cache, pad_kpos, pad_slots, worth_compacting
+from .target import Target
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    tokens: list[int]  # tokens committed for this request in this step (may be empty)
+    finished: str | None  # None, "stop", "length" or "cancelled"
+    accepted: int | None  # tokens committed by this row's verify (its acceptance length); None for a prefill
+
+
+class Engine:
+    """Continuous batching at step granularity: rows join (prefill) and leave (finish/cancel) between steps.
+
+    `step()` first drops cancelled rows, then runs one draft + verify step for the rows already
+    running (rows that finish leave the batch and its caches at once), then admits waiting rows up to
+    `max_batch_size` with one batched prefill, which emits their first token. A `draft` makes it
+    DFlash; without one (or with block_size 1) it is plain decoding through the same code.
+    `proposer` replaces the draft with any `Proposer` (n-gram lookup, test oracles); the engine
+    resets it, so a proposer serves one engine at a time.
+    Not thread-safe except for `add` and `cancel`, which may be called while `step` runs.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        draft: DFlashDraft | None = None,
+        block_size: int | None = None,
+        max_batch_size: int = 8,
+        proposal: str = "draft",
+        proposer: Proposer | None = None,
+    ):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if proposal not in ("draft", "greedy"):
+            raise ValueError(f"proposal must be 'draft' or 'greedy', got {proposal!r}")
+        if draft is not None and proposer is not None:
+            raise ValueError("pass a draft or a proposer, not both")
+        if draft is not None:
+            proposer = DFlashProposer(draft, target, proposal)
+        if proposer is not None:
+            proposer.reset()
+        self.block_size = block_size if block_size is not None else (proposer.block_size if proposer else 1)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (1 = plain decoding), got {self.block_size}")
+        self.target, self.proposer, self.max_batch_size = target, proposer, max_batch_size
+        self.feature_layers = proposer.feature_layers if proposer is not None else None
+        self.rows: list[Row] = []  # running, in batch order
+        self.waiting: list[Row] = []
+        self.cancelled: set[str] = set()
+        self.active: dict[str, Row] = {}  # running or waiting, by request id
+        self.lock = threading.Lock()
+        self.cache = None
+        self.kpos = torch.empty(0, 0, dtype=torch.long, device=target.device)  # (B, S) slot positions
+        self.aligned = True  # every row's slot i holds its position i: no attention mask needed
+        self.stats = {
+            "verify_steps": 0,  # per-row verify forwards
+            "committed": 0,  # tokens committed by verify steps
+            "tau": float("nan"),  # committed / verify_steps
+            "forwards": 0,  # batched verify forwards
+            "prefills": 0,  # batched prefill forwards
+            "compactions": 0,
+            # speculative decoding, as vLLM counts it: row-steps that verified drafted tokens, those tokens,
+            # the ones accepted, and per block position how often it was accepted
+            "drafts": 0,
+            "draft_tokens": 0,
+            "accepted_tokens": 0,
+            "accepted_per_position": [],
+        }
+
+    def add(self, request_id: str, prompt_ids: Sequence[int], config: GenerationConfig) -> Row:
+        """Validate now (ValueError naming the problem); the row joins at the next `step()`."""
+        if not isinstance(config, GenerationConfig):
+            raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        if not isinstance(config.sampling, SamplingConfig):
+            raise ValueError(
+                f"config.sampling must be a SamplingConfig, got {type(config.sampling).__name__}"
+            )
+        block = config.block_size if config.block_size is not None else self.block_size
+        prompt = prompt_tensor(prompt_ids)
+        check_prompt(prompt, self.target, config, block)
+        gen = None
+        if config.seed is not None:
+            gen = torch.Generator(device=self.target.device).manual_seed(config.seed)
+        row = Row(request_id, prompt[0].tolist(), config, block, gen)
+        with self.lock:
+            if request_id in self.active:
+                raise ValueError(f"request id {request_id!r} is already in the batch: use a unique id")
+            self.active[request_id] = row
+            self.waiting.append(row)
+        return row
+
+    def cancel(self, request_id: str) -> None:
+        """Free the request's slot at the next step, which reports it as finished="cancelled".
+        Unknown or already finished ids are ignored (a client may disconnect after its last token)."""
+        with self.lock:
+            if request_id in self.active:
+                self.cancelled.add(request_id)
+
+    def pending(self) -> int:
+        """Rows running plus rows waiting to join."""
+        with self.lock:
+            return len(self.active)
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        with self.lock:
+            cancelled, self.cancelled = self.cancelled, set()
+            self.waiting = [r for r in self.waiting if r.request_id not in cancelled]
+        out = [StepOutput(i, [], "cancelled", None) for i in sorted(cancelled)]
+        if cancelled & {r.request_id for r in self.rows}:
+            self._keep([b for b, r in enumerate(self.rows) if r.request_id not in cancelled])
+        if self.rows:
+            out += self._verify_step()
+        with self.lock:
+            n_new = max(0, self.max_batch_size - len(self.rows))
+            joining, self.waiting = self.waiting[:n_new], self.waiting[n_new:]
+        if joining:
+            out += self._prefill(joining)
+        with self.lock:
+            for o in out:
+                if o.finished:
+                    self.active.pop(o.request_id).finished = o.finished
+                    self.cancelled.discard(o.request_id)  # a cancel that came in while it finished
+        return out
+
+    # -- one draft + verify step for every running row --------------------------------------------
+
+    def _verify_step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        rows, device = self.rows, self.target.device
+        ks = [min(r.block_size - 1, r.room) if self.proposer else 0 for r in rows]
+        proposed = max(ks) > 0
+        proposals = self.proposer.propose(rows, ks) if proposed else [(None, None)] * len(rows)
+        ks = [0 if d is None else len(d) for d, _ in proposals]
+        k_max = max(ks)
+        drafts = torch.zeros(len(rows), k_max, dtype=torch.long, device=device)
+        for b, (d, _) in enumerate(proposals):
+            if ks[b]:
+                drafts[b, : ks[b]] = d.to(device)
+        t1 = time.perf_counter()
+        steps = torch.arange(k_max + 1, device=device)
+        q_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + steps
+        block = torch.cat([torch.tensor([r.tokens[-1] for r in rows], device=device)[:, None], drafts], 1)
+        aligned = self.aligned and len(set(ks)) == 1
+        new_kpos = q_pos
+        if not aligned:
+            new_kpos = torch.where(steps <= torch.tensor(ks, device=device)[:, None], q_pos, DEAD)
+        kpos = torch.cat([self.kpos, new_kpos], 1)
+        logits, feats = self.target.forward(
+            block,
+            q_pos,
+            self.cache,
+            features=self.feature_layers,
+            attention_mask=None if aligned else self.target.attention_mask(q_pos, kpos),
+        )
+        t2 = time.perf_counter()
+        # Greedy rows all at once: one argmax and one host transfer per step, not a few per row.
+        if any(r.sampling.greedy for r in rows):
+            choice = logits.argmax(-1)  # (B, k_max + 1)
+            real = steps[:k_max] < torch.tensor(ks, device=device)[:, None]
+            accepted = ((drafts == choice[:, :k_max]) & real).cumprod(-1).sum(-1)
+            choice_l, accepted_l = choice.tolist(), accepted.tolist()
+        drafts_l = drafts.tolist()
+        out, n = [], []
+        for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
+            if row.sampling.greedy:
+                a, bonus = accepted_l[b], choice_l[b][accepted_l[b]]
+            else:
+                p = probs(logits[b : b + 1, : k + 1], row.sampling)
+                a, bonus = verify_sampling(drafts[b : b + 1, :k], p, proposals[b][1], row.generator)
+            self._count_drafts(k, a)
+            new = row.commit(drafts_l[b][:a] + [int(bonus)])
+            row.lengths.append(len(new))
+            n.append(len(new))
+            out.append(StepOutput(row.request_id, new, row.finished, len(new)))
+        # The cache keeps each row's anchor and accepted drafts (its first n slots of the block);
+        # slots that no row kept are cut off right away.
+        if aligned and len(set(n)) == 1:
+            self.kpos = kpos[:, : self.kpos.shape[1] + n[0]]
+        else:
+            kept = torch.where(steps < torch.tensor(n, device=device)[:, None], new_kpos, DEAD)
+            self.kpos = torch.cat([self.kpos, kept[:, : max(n)]], 1)
+            self.aligned = False
+        self.target.crop(self.cache, self.kpos.shape[1])
+        if self.proposer is not None:
+            self.proposer.accept(feats, n)
+            if proposed:
+                self.proposer.observe(rows, ks, n, t1 - t0, t2 - t1, block.numel())
+        self.stats["forwards"] += 1
+        self.stats["verify_steps"] += len(rows)
+        self.stats["committed"] += sum(n)
+        self.stats["tau"] = self.stats["committed"] / self.stats["verify_steps"]
+        now = time.perf_counter()
+        for row in rows:
+            row.draft_s.append(t1 - t0)
+            row.verify_s.append(t2 - t1)
+            row.step_s.append(now - t0)
+            row.ended = now
+        self._keep([b for b, r in enumerate(rows) if r.finished is None])
+        return out
+
+    def _count_drafts(self, k: int, accepted: int) -> None:
+        if not k:
+            return
+        st = self.stats
+        st["drafts"] += 1
+        st["draft_tokens"] += k
+        st["accepted_tokens"] += accepted
+        per = st["accepted_per_position"]
+        per.extend([0] * (accepted - len(per)))
+        for i in range(accepted):
+            per[i] += 1
+
+    # -- rows join and leave ------------------------------------------------------------------------
+
+    def _keep(self, index: list[int]) -> None:
+        """Only these rows stay in the batch and its caches; compact when dead slots pile up."""
+        if not index:  # the batch is empty: the next row starts on a fresh cache, aligned
+            self.rows, self.cache, self.kpos, self.aligned = [], None, self.kpos[:0, :0], True
+            if self.proposer is not None:
+                self.proposer.keep([])
+            return
+        if len(index) < len(self.rows):
+            idx = torch.tensor(index, dtype=torch.long, device=self.kpos.device)
+            self.rows = [self.rows[i] for i in index]
+            self.kpos = self.kpos[idx]
+            map_target_cache(self.cache, lambda t: t[idx])
+            if self.proposer is not None:
+                self.proposer.keep(index)
+        if not self.aligned and worth_compacting(self.kpos):
+            order, n_live = live_order(self.kpos)
+            map_target_cache(self.cache, lambda t: gather_slots(t, order))
+            self.kpos = self.kpos.gather(1, order)
+            self.stats["compactions"] += 1
+
+    def _prefill(self, rows: list[Row]) -> list[StepOutput]:
+        """One forward over the newcomers' prompts (left-padded, so the last logits are every row's
+        last token) on a cache of their own, then merged into the batch's cache."""
+        t0 = time.perf_counter()
+        device = self.target.device
+        lens = torch.tensor([len(r.prompt) for r in rows], device=device)
+        p_len = int(lens.max())
+        same = len({len(r.prompt) for r in rows}) == 1
+        ids = torch.zeros(len(rows), p_len, dtype=torch.long, device=device)
+        for b, r in enumerate(rows):
+            ids[b, p_len - len(r.prompt) :] = torch.tensor(r.prompt, device=device)
+        pos = torch.arange(p_len, device=device) - (p_len - lens)[:, None]  # padding: negative positions
+        kpos = torch.where(pos >= 0, pos, DEAD)
+        cache = self.target.new_cache(sliding=False)
+        logits, feats = self.target.forward(
+            ids,
+            pos.clamp_min(0),
+            cache,
+            logits_to_keep=1,
+            features=self.feature_layers,
+            attention_mask=None if same else self.target.attention_mask(pos.clamp_min(0), kpos),
+        )
+        out = []
+        for b, r in enumerate(rows):
+            first = int(next_token(logits[b, -1], r.sampling, r.generator))
+            out.append(StepOutput(r.request_id, r.commit([first]), r.finished, None))
+        now = time.perf_counter()
+        for r in rows:
+            r.prefill_s, r.started, r.ended = now - t0, now, now
+        self.stats["prefills"] += 1
+        stay = [b for b, r in enumerate(rows) if r.finished is None]
+        if not stay:
+            return out
+        if len(stay) < len(rows):
+            idx = torch.tensor(stay, dtype=torch.long, device=device)
+            kpos = kpos[idx]
+            map_target_cache(cache, lambda t: t[idx])
+        if self.cache is None:
+            self.cache, self.kpos, self.aligned = cache, kpos, same
+        else:
+            length = max(self.kpos.shape[1], p_len)
+            for mine, new in zip(self.cache.layers, cache.layers, strict=True):
+                mine.keys = torch.cat([pad_slots(mine.keys, length), pad_slots(new.keys, length)])
+                mine.values = torch.cat([pad_slots(mine.values, length), pad_slots(new.values, length)])
+            self.kpos = torch.cat([pad_kpos(self.kpos, length), pad_kpos(kpos, length)])
+            self.aligned = False
+        joined = [rows[b] for b in stay]
+        self.rows += joined
+        if self.proposer is not None:
+            self.proposer.join(
+                joined,
+                [feats[b, p_len - len(rows[b].prompt) :] for b in stay] if self.feature_layers else None,
+            )
+        return out

@@ -1,0 +1,182 @@
+"""`flashdraft train`'s settings: the config, its checks, and which fields define a run (for --resume)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+GAMMA_AUTO = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay per block size
+
+
+class TrainError(ValueError):
+    """Training cannot start or continue as asked (the message says why and what to do)."""
+
+
+@dataclass
+class TrainConfig:
+    target: str
+    data: list[str]
+    out: str
+    layers: int = 5
+    num_features: int | None = None  # target layers read; default: as many as draft layers
+    target_layer_ids: list[int] | None = None
+    block_size: int = 16
+    anchors: int = 512
+    gamma: float | None = None  # None: auto (7 / 5 / 4 for B = 16 / 10 / 8)
+    epochs: int = 6
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of the steps
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    max_len: int = 3072
+    batch_tokens: int = 16384  # sequence tokens per optimizer step (the global batch)
+    micro_batch: int = 1  # sequences per forward pass (per rank)
+    eval_data: str | None = None
+    eval_prompts: int = 8
+    eval_every: int = 0  # 0: about 10 evaluations per run
+    eval_max_new_tokens: int = 128
+    # References (scripts/offline_tau.py --make-refs): evaluate by the offline walk on the target's greedy
+    # answers instead of the decode loop, the same tau on greedy decoding in seconds instead of minutes.
+    eval_refs: str | None = None
+    save_every: int = 0  # 0: about 10 checkpoints per run
+    keep_checkpoints: int = 2
+    seed: int = 0
+    # The frozen target's dtype. auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere (bf16 is
+    # emulated, far slower, on AVX2-only CPUs). The draft's master weights are fp32 (fp64 with float64).
+    dtype: str = "auto"
+    autocast: str = "auto"  # bf16 autocast of the draft: auto = on CUDA only
+    device: str = "auto"
+    mask_token_id: int | None = None
+    max_steps: int | None = None
+    max_minutes: float | None = None  # train this long (evaluations excluded); the LR schedule follows time
+    save_dtype: str = "bfloat16"  # dtype of the final draft in OUT/draft
+    # Sample efficiency (README, "Choices that raise tau per CPU-hour"): what the draft learns from and starts from.
+    distill: bool = False  # KL to the target's own next-token distribution instead of CE on the data token
+    head_vocab: int = 0  # loss over the N most frequent response tokens only (0: the whole vocabulary)
+    init_from_target: bool = False  # draft layers start as copies of the target's top layers
+    cache_features: bool = False  # keep target features in memory after the first epoch
+    cache_gb: float = 8.0  # memory cap of the feature cache; sequences past it are recomputed each epoch
+    corpus_limit: int | None = None  # (prompt, answer) pairs taken from each named corpus in --data
+    corpus_skip: int = 0  # ... after skipping this many (each sitting of a campaign can take a fresh slice)
+    init_draft: str | None = None  # start from this draft's weights (fresh optimizer and schedule)
+    resume: bool = False
+    progress: bool = True
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+# Fields that define a run: `--resume` refuses a checkpoint made with other values. The others
+# (evaluation, checkpointing, micro-batch, device, progress bar) may change between sittings.
+RUN_FIELDS = (
+    "layers",
+    "num_features",
+    "target_layer_ids",
+    "block_size",
+    "anchors",
+    "gamma",
+    "epochs",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "grad_clip",
+    "max_len",
+    "batch_tokens",
+    "seed",
+    "dtype",
+    "autocast",
+    "mask_token_id",
+    "max_steps",
+    "distill",
+    "head_vocab",
+    "init_from_target",
+    "corpus_limit",
+    "corpus_skip",
+    "init_draft",
+)
+
+
+def resolve_gamma(block_size: int, gamma: float | None) -> float:
+    if gamma is not None:
+        if not gamma > 0:
+            raise TrainError(f"--gamma must be > 0, got {gamma}")
+        return float(gamma)
+    if block_size not in GAMMA_AUTO:
+        raise TrainError(
+            f"--gamma auto is defined for block sizes 8, 10 and 16 (gamma 4, 5, 7, from the paper); "
+            f"pass an explicit --gamma for block size {block_size} (about block_size / 2 is a fair start)"
+        )
+    return GAMMA_AUTO[block_size]
+
+
+def check_config(cfg: TrainConfig) -> None:
+    problems = []
+    if cfg.block_size < 2:
+        problems.append(
+            f"--block-size must be >= 2 (index 0 is the anchor, nothing to predict), got {cfg.block_size}"
+        )
+    if 2 * cfg.block_size > cfg.max_len:
+        problems.append(
+            f"--block-size {cfg.block_size} cannot fit: a sequence needs 2 x block size response "
+            f"tokens, more than --max-len {cfg.max_len}"
+        )
+    for name in ("layers", "anchors", "epochs", "batch_tokens", "micro_batch", "keep_checkpoints"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("eval_prompts", "eval_every", "save_every", "head_vocab"):
+        if getattr(cfg, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.max_steps is not None and cfg.max_steps < 1:
+        problems.append(f"--max-steps must be >= 1, got {cfg.max_steps}")
+    if not 0 <= cfg.warmup < 1:
+        problems.append(f"--warmup is a fraction of the steps in [0, 1), got {cfg.warmup}")
+    if not cfg.lr > 0:
+        problems.append(f"--lr must be > 0, got {cfg.lr}")
+    for name in ("dtype", "save_dtype"):
+        if getattr(cfg, name) not in DTYPES and not (name == "dtype" and cfg.dtype == "auto"):
+            problems.append(
+                f"--{name.replace('_', '-')} must be one of {list(DTYPES)}, got {getattr(cfg, name)!r}"
+            )
+    if cfg.autocast not in ("auto", "on", "off"):
+        problems.append(f"--autocast must be auto, on or off, got {cfg.autocast!r}")
+    if not cfg.data:
+        problems.append("--data is empty: pass data files or corpus names (sharegpt, gsm-symbolic)")
+    weighted = []
+    for item in cfg.data:
+        try:
+            weighted.append(data_source(item)[1] is not None)
+        except TrainError as e:
+            problems.append(str(e))
+    if any(weighted) and not all(weighted):
+        problems.append("--data: give every item a mixing weight (sharegpt:0.7,x.npz:0.3) or none")
+    if cfg.corpus_skip < 0:
+        problems.append(f"--corpus-skip must be >= 0, got {cfg.corpus_skip}")
+    if cfg.corpus_limit is not None and cfg.corpus_limit < 1:
+        problems.append(f"--corpus-limit must be >= 1, got {cfg.corpus_limit}")
+    if cfg.init_draft is not None and cfg.init_from_target:
+        problems.append("--init-draft and --init-from-target both set the draft's first weights: pass one")
+    if problems:
+        raise TrainError("; ".join(problems))
+    resolve_gamma(cfg.block_size, cfg.gamma)
+
+
+def data_source(item: str) -> tuple[str, float | None]:
+    """`--data` item -> (file or corpus name, mixing weight or None): `x.npz`, `sharegpt`, `sharegpt:0.7`."""
+    name, sep, weight = item.rpartition(":")
+    if not sep or not name or Path(item).exists():
+        return item, None
+    try:
+        w = float(weight)
+    except ValueError:
+        return item, None
+    if not w > 0:
+        raise TrainError(f"--data {item}: the mixing weight after ':' must be > 0")
+    return name, w

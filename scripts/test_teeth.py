@@ -1,0 +1,288 @@
+"""Do the tests fail when the code is wrong? Each entry plants one plausible bug (a text substitution in one
+file), runs the tests aimed at it, and restores the file. A bug the tests pass is printed as MISSED.
+
+    python scripts/test_teeth.py [--only NAME,...] [--json runs/teeth.json]
+
+First the aimed tests run once unchanged (they must pass, or a failure would prove nothing). Run it on an
+otherwise idle machine; it takes several minutes. The file is restored even when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (name, file, original text, planted bug, tests aimed at it)
+BUGS = [
+    (
+        "test drafts ignore their context (default 0.02 init)",
+        "tests/conftest.py",
+        "DRAFT_STD = 0.15",
+        "DRAFT_STD = 0.02",
+        "tests/test_draft.py::test_test_drafts_depend_on_their_context",
+    ),
+    (
+        "batched sliding-window draft layers see the whole context",
+        "flashdraft/proposers.py",
+        '"sliding_attention": (diff >= 0) & (diff < self.window)}',
+        '"sliding_attention": mask}',
+        "tests/test_batch.py::test_sliding_window_draft_batched_equals_single_row",
+    ),
+    (
+        "sliding-window drafts refused in batches (as before the engine)",
+        "flashdraft/proposers.py",
+        "        draft.check_target(target)\n        self.feature_layers",
+        "        draft.check_target(target)\n        if 'sliding_attention' in draft.config.layer_types:\n"
+        "            raise ValueError('batched decoding does not support sliding-window drafts')\n"
+        "        self.feature_layers",
+        "tests/test_serve.py",
+    ),
+    (
+        "a row's dead block slots are visible to its draft (shorter blocks see the longest row's masks)",
+        "flashdraft/proposers.py",
+        "blk_kpos = torch.where(steps <= torch.tensor(ks, device=device)[:, None], blk_pos, DEAD)",
+        "blk_kpos = blk_pos",
+        "tests/test_batch.py::test_long_run_compacts_and_stays_exact",
+    ),
+    (
+        "padded draft slots compared like drafts in batched greedy verification",
+        "flashdraft/engine.py",
+        "accepted = ((drafts == choice[:, :k_max]) & real).cumprod(-1).sum(-1)",
+        "accepted = (drafts == choice[:, :k_max]).cumprod(-1).sum(-1)",
+        "tests/test_batch.py::test_padding_equal_to_the_true_next_token_is_never_accepted",
+    ),
+    (
+        "the verifier ignores the proposer's q (treats every proposal as one-hot)",
+        "flashdraft/engine.py",
+        "verify_sampling(drafts[b : b + 1, :k], p, proposals[b][1], row.generator)",
+        "verify_sampling(drafts[b : b + 1, :k], p, None, row.generator)",
+        "tests/test_batch.py::test_sampling_with_a_spread_draft_alone_and_batched",
+    ),
+    (
+        "the adaptive cut looks at the sampled tokens' own q (then the verified drafts are not q's samples)",
+        "flashdraft/adaptive.py",
+        "                conf = self._confidence(b, k, q)",
+        "                conf = self._confidence(b, k, q) if q is None else q[0].gather(-1, tokens[:, None])[:, 0]",
+        "tests/test_adaptive.py::test_sampling_adaptive_is_exact",
+    ),
+    (
+        "the adaptive proposer never skips the draft",
+        "flashdraft/adaptive.py",
+        "        self.drafted = self.dflash is not None and self.wait == 0",
+        "        self.drafted = self.dflash is not None",
+        "tests/test_adaptive.py::test_a_useless_draft_is_mostly_skipped",
+    ),
+    (
+        "the accepted-token counters count drafted tokens",
+        "flashdraft/engine.py",
+        "            self._count_drafts(k, a)",
+        "            self._count_drafts(k, k)",
+        "tests/test_batch.py::test_speculative_counters_match_the_commits",
+    ),
+    (
+        "chat_template_kwargs dropped by serve",
+        "flashdraft/serve.py",
+        "add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs",
+        "add_generation_prompt=True, tokenize=True, return_dict=False",
+        "tests/test_serve.py::test_chat_template_kwargs_reach_the_template",
+    ),
+    (
+        "min_p silently ignored by serve",
+        "flashdraft/serve.py",
+        '    "min_p",\n',
+        "",
+        "tests/test_serve.py::test_bad_input_gets_an_openai_error",
+    ),
+    (
+        "`generate` stays silent about bf16 rounding",
+        "flashdraft/cli.py",
+        '            print(BF16_NOTE.format(dtype=str(dtype).removeprefix("torch.")), file=sys.stderr)',
+        "            pass",
+        "tests/test_cli.py::test_generate_reports_device_and_dtype_and_warns_in_bf16",
+    ),
+    (
+        "`generate --chat-template-kwargs` ignored",
+        "flashdraft/cli.py",
+        "            **args.chat_template_kwargs,\n",
+        "",
+        "tests/test_cli.py::test_generate_chat_template_kwargs_reach_the_template",
+    ),
+    (
+        "Hub ids are not resolved for targets",
+        "flashdraft/models.py",
+        "    if HUB_ID.fullmatch(text):\n",
+        "    if False:\n",
+        "tests/test_cli.py::test_hub_ids_from_the_local_cache",
+    ),
+    (
+        "a typo in a verb's option shows the top-level usage",
+        "flashdraft/cli.py",
+        "    args, extra = parser.parse_known_args(argv)",
+        "    args, extra = parser.parse_args(argv), []",
+        "tests/test_cli.py::test_a_typo_shows_the_verbs_usage_and_exits_2",
+    ),
+    (
+        "the trainer reads the wrong target layers",
+        "flashdraft/train.py",
+        "feature_ids = list(dcfg.target_layer_ids) + ",
+        "feature_ids = list(range(len(dcfg.target_layer_ids))) + ",
+        "tests/test_train.py::test_the_loop_reads_the_configured_layers_and_resamples_anchors",
+    ),
+    (
+        "anchors are drawn once, not fresh every epoch",
+        "flashdraft/train.py",
+        '_generator(cfg.seed, "anchors", epoch, i)',
+        '_generator(cfg.seed, "anchors", 0, i)',
+        "tests/test_train.py::test_the_loop_reads_the_configured_layers_and_resamples_anchors",
+    ),
+    (
+        "the offline walk steps one token at a time",
+        "flashdraft/acceptance.py",
+        "        p += visited[-1]",
+        "        p += 1",
+        "tests/test_acceptance.py::test_offline_walk_is_the_real_loop_step_for_step",
+    ),
+    (
+        "references ignore the stop ids",
+        "flashdraft/acceptance.py",
+        "max_new_tokens=min(max_new_tokens, target.max_length - len(p)), stop_ids=target.stop_ids",
+        "max_new_tokens=min(max_new_tokens, target.max_length - len(p))",
+        "tests/test_acceptance.py::test_greedy_references_are_plain_greedy_decoding",
+    ),
+    (
+        "tokens outside the draft vocabulary get logit 0 instead of -inf",
+        "flashdraft/draft.py",
+        'full = sub.new_full((*sub.shape[:-1], weight.shape[0]), float("-inf"))',
+        "full = sub.new_full((*sub.shape[:-1], weight.shape[0]), 0.0)",
+        "tests/test_draft_vocab.py",
+    ),
+    (
+        "the draft vocabulary is not saved",
+        "flashdraft/draft.py",
+        '            atomic_write(directory / VOCAB_NAME, lambda p: save_file(vocab, p, metadata={"format": "pt"}))',
+        "            pass",
+        "tests/test_draft_vocab.py::test_the_vocabulary_travels_beside_the_published_files",
+    ),
+    (
+        "an evaluation prompt may enter training",
+        "flashdraft/train_data.py",
+        "    if leaked:",
+        "    if False:",
+        "tests/test_train_data.py::test_evaluation_prompts_never_enter_training",
+    ),
+    (
+        "mixing weights ignored (each source by its size)",
+        "flashdraft/train_data.py",
+        "want, picked = round(len(sources) * w / sum(weights)), []",
+        "want, picked = len(members), []",
+        "tests/test_train_data.py::test_mixing_weights_hold_whatever_the_sizes",
+    ),
+    (
+        "corpus answers run past the end of turn",
+        "flashdraft/train_data.py",
+        "                response = response[: response.index(eos) + 1]",
+        "                pass",
+        "tests/test_train_data.py::test_corpus_records_are_the_chat_template_and_the_recorded_answer",
+    ),
+    (
+        "--init-draft loads the shape but not the weights",
+        "flashdraft/train.py",
+        "        draft.load_state_dict(start_from.state_dict())",
+        "        pass",
+        "tests/test_train_data.py::test_init_draft_starts_from_its_weights",
+    ),
+    (
+        "--eval-refs ignored (evaluation by the decode loop instead)",
+        "flashdraft/train.py",
+        "refs=read_references(cfg.eval_refs) if cfg.eval_refs else None,",
+        "refs=None,",
+        "tests/test_train_data.py::test_eval_refs_evaluate_by_the_offline_walk_and_are_kept_out_of_training",
+    ),
+    (
+        "the transformers export loses the draft's rope theta",
+        "flashdraft/export.py",
+        'rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}',
+        'rope_parameters={"rope_type": "default", "rope_theta": 10000.0}',
+        "tests/test_cli.py::test_export_to_transformers_gives_our_tokens_in_stock_generate",
+    ),
+    (
+        "a DFlash draft loads as a target",
+        "flashdraft/target.py",
+        '        if "DFlashDraftModel" in architectures:',
+        "        if False:",
+        "tests/test_cli.py::test_a_draft_passed_as_target_is_refused",
+    ),
+    (
+        "a target with missing weights loads (random weights there)",
+        "flashdraft/target.py",
+        "        if missing:  # loading would go on",
+        "        if False:  # loading would go on",
+        "tests/test_cli.py::test_a_target_with_missing_weights_is_refused",
+    ),
+    (
+        "a tokenizer's BatchEncoding is not unpacked",
+        "flashdraft/sequence.py",
+        '    if hasattr(prompt_ids, "keys") and "input_ids" in prompt_ids:',
+        "    if False:",
+        "tests/test_decode.py::test_generate_accepts_what_tokenizers_return",
+    ),
+]
+
+
+def pytest(selectors: list[str]) -> tuple[bool, float, str]:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "--tb=no", "-p", "no:cacheprovider", *selectors]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
+    return r.returncode == 0, time.perf_counter() - t0, tail[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated substrings of bug names")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--skip-baseline", action="store_true", help="the whole suite just passed on this tree")
+    args = ap.parse_args()
+    bugs = [b for b in BUGS if not args.only or any(s in b[0] for s in args.only.split(","))]
+    if not args.skip_baseline:
+        ok, secs, tail = pytest(sorted({b[4] for b in bugs}))
+        print(f"unchanged code, aimed tests: {'pass' if ok else 'FAIL'} ({secs:.0f} s): {tail}", flush=True)
+        if not ok:
+            return 1
+    rows = []
+    for name, rel, old, new, selector in bugs:
+        path = ROOT / rel
+        text = path.read_text()
+        if text.count(old) != 1:
+            rows.append(
+                {"bug": name, "test": selector, "result": f"STALE: the text occurs {text.count(old)}x"}
+            )
+            print(f"STALE   {name}", flush=True)
+            continue
+        try:
+            path.write_text(text.replace(old, new))
+            passed, secs, tail = pytest([selector])
+        finally:
+            path.write_text(text)
+        result = "MISSED" if passed else "caught"
+        rows.append(
+            {"bug": name, "file": rel, "test": selector, "result": result, "s": round(secs), "tail": tail}
+        )
+        print(f"{result:7} {name} ({secs:.0f} s) <- {selector}: {tail}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    missed = [r for r in rows if r["result"] != "caught"]
+    print(f"{len(rows) - len(missed)} of {len(rows)} planted bugs caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

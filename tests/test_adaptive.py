@@ -1,0 +1,93 @@
+"""Adaptive speculation (`flashdraft.adaptive`): lossless whatever it decides (greedy equality in float64,
+sampling against exact enumeration), and its decisions follow the measured costs and acceptance: a
+useless draft is mostly skipped, a perfect proposer keeps drafting long blocks."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_draft, make_hf_model
+from test_batch import V, chi2_pvalue, exact_joint
+from test_decode import OracleProposer
+from test_sampling import sample_joint
+
+from flashdraft import (
+    DFlashProposer,
+    GenerationConfig,
+    NgramProposer,
+    SamplingConfig,
+    Target,
+    generate,
+    generate_batch,
+)
+from flashdraft.adaptive import AdaptiveProposer, LinearCost
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "gemma3"])
+def test_greedy_adaptive_hybrid_equals_plain_alone_and_batched(arch_name):
+    model = make_hf_model(arch_name)
+    target = Target(model)
+    adaptive = AdaptiveProposer(DFlashProposer(make_draft(model, block_size=8), target), NgramProposer())
+    rng = random.Random(3)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(2, 6))] * rng.randint(1, 3) for _ in range(8)]
+    cfg = GenerationConfig(30)
+    plain = [generate(target, p, None, cfg).tokens for p in prompts]
+    for p, want in zip(prompts, plain, strict=True):
+        assert generate(target, p, adaptive, cfg).tokens == want
+    batched = generate_batch(target, prompts, config=cfg, proposer=adaptive, max_batch_size=3)
+    assert [r.tokens for r in batched] == plain
+    s = adaptive.stats
+    assert s["dflash_rows"] and s["ngram_rows"], s  # both proposers were used
+
+
+def test_sampling_adaptive_is_exact():
+    """The cut depends on the peaks of the draft's distributions, never on the sampled tokens: exact."""
+    model = make_hf_model("llama", vocab=V, layers=2)
+    target = Target(model)
+    draft = make_draft(model, layers=1, mask_token_id=5, block_size=4)
+    cfg = SamplingConfig(1.0)
+    adaptive = AdaptiveProposer(DFlashProposer(draft, target))
+    adaptive.verify_cost.add(1, 1.0)
+    adaptive.verify_cost.add(4, 1.9)  # verifying costs: unlikely tokens are cut from the first step on
+    counts = sample_joint(target, adaptive, cfg, 2_500, block=4)
+    assert chi2_pvalue(counts, exact_joint(model, cfg)) > 1e-3
+    assert adaptive.stats["dflash_rows"] > 0
+
+
+def test_a_useless_draft_is_mostly_skipped(tiny_llama):
+    draft = make_draft(tiny_llama.model, block_size=8)
+    adaptive = AdaptiveProposer(DFlashProposer(draft, tiny_llama))
+    res = generate(tiny_llama, [5, 6, 7], adaptive, GenerationConfig(120))
+    s = adaptive.stats
+    assert sum(res.acceptance_lengths) - len(res.acceptance_lengths) < 10  # it really is useless
+    assert s["skipped_steps"] > 3 * s["draft_steps"], s
+
+
+def test_a_perfect_proposer_keeps_drafting_long_blocks(tiny_llama):
+    prompt = [9, 8, 7]
+    truth = generate(tiny_llama, prompt, None, GenerationConfig(80)).tokens
+    oracle = OracleProposer(len(prompt), truth, 128, random.Random(0))
+    oracle.rng.random = lambda: 0.0  # always the true continuation
+    adaptive = AdaptiveProposer(oracle)
+    adaptive.block_size = 8
+    res = generate(tiny_llama, prompt, adaptive, GenerationConfig(80, block_size=8))
+    assert res.tokens == truth
+    assert adaptive.stats["skipped_steps"] == 0
+    assert np.mean(res.acceptance_lengths[3:-1]) > 6  # once calibrated, nearly whole blocks
+
+
+def test_linear_cost_fits_and_falls_back_to_its_prior():
+    c = LinearCost()
+    assert c.fit() is None
+    c.add(1, 2.0)
+    a, b = c.fit()
+    assert a + b == pytest.approx(2.0) and b == pytest.approx(0.08 * a)
+    c = LinearCost()
+    for n in (1, 16, 1, 16, 4):
+        c.add(n, 1.0 + 0.1 * n)
+    a, b = c.fit()
+    assert b == pytest.approx(0.1, rel=0.05) and a == pytest.approx(1.0, rel=0.05)
+    with pytest.raises(ValueError, match="needs"):
+        AdaptiveProposer()
+    assert torch.is_tensor(AdaptiveProposer(ngram=NgramProposer()).chances("ngram", torch.full((3,), 0.5)))
