@@ -59,10 +59,10 @@ BUGS = [
         "tests/test_batch.py::test_padding_equal_to_the_true_next_token_is_never_accepted",
     ),
     (
-        "the verifier ignores the proposer's q (treats every proposal as one-hot)",
-        "flashdraft/engine.py",
-        "verify_sampling(drafts[b : b + 1, :k], p, proposals[b][1], row.generator)",
-        "verify_sampling(drafts[b : b + 1, :k], p, None, row.generator)",
+        "the proposer hands the verifier q of the wrong block positions",
+        "flashdraft/proposers.py",
+        "                out.append((sample(q, row.generator)[0], q))",
+        "                out.append((sample(q, row.generator)[0], q.flip(1)))",
         "tests/test_batch.py::test_sampling_with_a_spread_draft_alone_and_batched",
     ),
     (

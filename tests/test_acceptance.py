@@ -41,10 +41,18 @@ def test_offline_walk_is_the_real_loop_step_for_step(setup):
 
 
 def test_greedy_references_are_plain_greedy_decoding(setup):
+    """References are plain greedy decoding, cut at the target's stop token (one that really occurs)."""
     target, _ = setup
     prompts = [[1, 2, 3], [4, 5, 6, 1, 2], [0]]
-    refs = greedy_references(target, {"a": prompts[:2], "b": prompts[2:]}, 12)
-    assert [r["set"] for r in refs] == ["a", "a", "b"]
-    for r, p in zip(refs, prompts, strict=True):
-        alone = generate(target, p, None, GenerationConfig(max_new_tokens=12, stop_ids=target.stop_ids))
-        assert r["prompt_ids"] == p and r["response_ids"] == alone.tokens
+    uncut = generate(target, prompts[0], None, GenerationConfig(max_new_tokens=12)).tokens
+    gen_cfg = target.model.generation_config
+    old, gen_cfg.eos_token_id = gen_cfg.eos_token_id, uncut[4]  # a token the first answer produces
+    try:
+        refs = greedy_references(target, {"a": prompts[:2], "b": prompts[2:]}, 12)
+        assert [r["set"] for r in refs] == ["a", "a", "b"] and target.stop_ids == [uncut[4]]
+        assert len(refs[0]["response_ids"]) <= 5  # cut at the stop token
+        for r, p in zip(refs, prompts, strict=True):
+            alone = generate(target, p, None, GenerationConfig(max_new_tokens=12, stop_ids=target.stop_ids))
+            assert r["prompt_ids"] == p and r["response_ids"] == alone.tokens
+    finally:
+        gen_cfg.eos_token_id = old

@@ -208,10 +208,24 @@ def test_export_to_transformers_gives_our_tokens_in_stock_generate(dirs, tmp_pat
 
     target_dir, _ = dirs
     target = Target.from_pretrained(target_dir, dtype=torch.float64)
-    make_draft(target.model, layers=2, block_size=8).save_pretrained(tmp_path / "draft")
+    base = make_draft(target.model, layers=2, block_size=8)
+    draft = DFlashDraft(base.config.replace(rope_theta=50_000.0)).to(torch.float64)  # not the default theta
+    draft.load_state_dict(base.state_dict())
+    draft.save_pretrained(tmp_path / "draft")
     assert main(["export", "--to", "transformers", str(tmp_path / "draft"), str(tmp_path / "hf"),
                  "--target", str(target_dir)]) == 0  # fmt: skip
     assistant = MuseGlimmerAssistantModel.from_pretrained(tmp_path / "hf", dtype=torch.float64)
+    # the exported model computes our draft's hidden states (float32-level: its norms run in float32)
+    feats = torch.randn(
+        1, 5, draft.fc.in_features, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    block = target.embed(torch.tensor([[3] + [draft.config.mask_token_id] * 7]))
+    pos = torch.arange(13)[None]
+    with torch.no_grad():
+        theirs = assistant(
+            noise_embeds=block, context_hidden_states=feats, position_ids=pos
+        ).last_hidden_state
+        torch.testing.assert_close(theirs, draft(block, pos[:, 5:], feats, pos[:, :5]), rtol=1e-5, atol=1e-5)
     ours = DFlashProposer(DFlashDraft.from_pretrained(tmp_path / "draft"), target)
     for prompt in ([3, 17, 42, 9], [5, 6, 7, 8, 9, 10, 11]):
         x = torch.tensor([prompt])
