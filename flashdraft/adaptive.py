@@ -20,9 +20,26 @@ from __future__ import annotations
 
 import torch
 
-from .proposers import NgramProposer, Proposer
+from .proposers import DFlashProposer, NgramProposer, Proposer
 
 BINS = 10
+SPECULATION = ("fixed", "adaptive")  # what `--speculation` offers
+DEFAULT_SPECULATION = "fixed"
+
+
+def make_proposer(
+    draft, target, proposal: str = "draft", speculation: str = DEFAULT_SPECULATION
+) -> Proposer | None:
+    """What the verbs run for a draft: DFlash at a fixed block size ("fixed"), or DFlash and n-gram lookup
+    behind the adaptive rule ("adaptive"). No draft: None (plain decoding)."""
+    if speculation not in SPECULATION:
+        raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
+    if draft is None:
+        return None
+    dflash = DFlashProposer(draft, target, proposal)
+    if speculation == "fixed":
+        return dflash
+    return AdaptiveProposer(dflash, NgramProposer(block_size=dflash.block_size))
 
 
 class LinearCost:

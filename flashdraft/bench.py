@@ -54,7 +54,9 @@ from pathlib import Path
 
 import torch
 
+from . import chat
 from .adaptive import AdaptiveProposer
+from .chat import chat_ids
 from .decode import GenerationConfig, generate
 from .draft import DFlashDraft
 from .export import hf_dflash_assistant
@@ -1191,7 +1193,9 @@ def plot(r: dict, out_dir: Path) -> None:
 # -- command line --------------------------------------------------------------------------------
 
 
-def load_prompts(target: Target, datasets: Sequence[str], samples: int) -> list[BenchPrompt]:
+def load_prompts(
+    target: Target, datasets: Sequence[str], samples: int, template_kwargs: dict | None = None
+) -> list[BenchPrompt]:
     """The first `samples` examples of each data set, first turn, in the target's chat template."""
     from .data import load_dataset
 
@@ -1201,10 +1205,7 @@ def load_prompts(target: Target, datasets: Sequence[str], samples: int) -> list[
     out = []
     for name in datasets:
         for ex in load_dataset(name, limit=samples):
-            ids = tok.apply_chat_template(
-                ex.messages(), add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            ids = chat_ids(tok, ex.messages(), template_kwargs)
             answer = ex.answer if name.startswith("gsm-symbolic") else None
             out.append(BenchPrompt(ex.id, name, ids, answer))
     return out
@@ -1228,6 +1229,7 @@ def add_arguments(p) -> None:
         default=2,
         help="prompts per data set (the first N)",
     )
+    chat.add_argument(p, "the benchmark prompts")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against plain)"
@@ -1284,10 +1286,16 @@ def main_from_args(args) -> int:
     dtype = resolve_dtype(args.dtype, device)
     target = load_target(args.target, dtype, str(device))
     draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=dtype, device=target.device)
-    prompts = load_prompts(target, _csv(args.datasets), args.samples)
+    prompts = load_prompts(target, _csv(args.datasets), args.samples, args.chat_template_kwargs)
     command = "flashdraft " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else ""
     results = run_bench(
-        target, draft, prompts, config, args.out, command, info={"target": args.target, "draft": args.draft}
+        target,
+        draft,
+        prompts,
+        config,
+        args.out,
+        command,
+        info={"target": args.target, "draft": args.draft, "chat_template_kwargs": args.chat_template_kwargs},
     )
     all_ = results["summary"]["all"]
     for name, x in all_.items():

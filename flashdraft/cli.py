@@ -8,10 +8,11 @@ import sys
 
 import torch
 
+from . import chat
+from .adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
 from .decode import GenerationConfig, generate
 from .draft import DFlashDraft, DraftError, init_draft_config
 from .models import load_target, local_dir
-from .proposers import DFlashProposer
 from .sampling import SamplingConfig
 from .target import DTYPES, Target, TargetError, resolve_device, resolve_dtype
 
@@ -32,14 +33,7 @@ def _prompt_ids(args, target: Target) -> list[int]:
     if args.chat:
         if not getattr(tok, "chat_template", None):
             raise ValueError("--chat needs a tokenizer with a chat template; drop --chat")
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": args.prompt}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-            **args.chat_template_kwargs,
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return chat.chat_ids(tok, [{"role": "user", "content": args.prompt}], args.chat_template_kwargs)
     return tok(args.prompt, add_special_tokens=True)["input_ids"]
 
 
@@ -60,18 +54,6 @@ class _TextStream:
             self.shown = text
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(
-            f"not JSON ({e}): pass an object such as '{{\"enable_thinking\": false}}'"
-        ) from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
-    return value
-
-
 BF16_NOTE = (
     "note: in {dtype}, a verify pass over a block and a one-token step round differently, so greedy output "
     "can differ from plain decoding after a near-tie (README, Lossless); --dtype float32 makes them equal"
@@ -85,7 +67,7 @@ def cmd_generate(args) -> int:
     proposer = None
     if args.draft:
         draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=dtype, device=device)
-        proposer = DFlashProposer(draft, target, proposal=args.proposal)
+        proposer = make_proposer(draft, target, args.proposal, args.speculation)
         if dtype in (torch.bfloat16, torch.float16) and (args.block_size or 2) > 1:
             print(BF16_NOTE.format(dtype=str(dtype).removeprefix("torch.")), file=sys.stderr)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
@@ -114,6 +96,10 @@ def cmd_generate(args) -> int:
                     "stop_reason": res.stop_reason,
                     "device": str(device),
                     "dtype": str(dtype).removeprefix("torch."),
+                    "speculation": args.speculation if proposer is not None else None,
+                    "adaptive": getattr(
+                        proposer, "stats", None
+                    ),  # draft / skipped steps, n-gram / DFlash rows
                 }
             )
         )
@@ -202,6 +188,7 @@ def cmd_datagen(args) -> int:
         dtype=args.dtype,
         device=args.device,
         progress=not args.no_progress,
+        chat_template_kwargs=args.chat_template_kwargs,
     )
     print(run_datagen(cfg).line())
     return 0
@@ -250,12 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the target's chat template")
-    g.add_argument(
-        "--chat-template-kwargs",
-        type=_json_object,
-        default={},
-        help="JSON options for the chat template, e.g. '{\"enable_thinking\": false}' (match the draft's data)",
-    )
+    chat.add_argument(g, "--chat")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--block-size", type=int, default=None, help="default: the draft's; 1 = plain decoding")
@@ -268,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["draft", "greedy"],
         default="draft",
         help="with sampling: sample drafts from the draft's distribution, or draft its argmax",
+    )
+    g.add_argument(
+        "--speculation",
+        choices=SPECULATION,
+        default=DEFAULT_SPECULATION,
+        help="fixed: verify every drafted token; adaptive: DFlash and n-gram lookup, cut and skipped by "
+        "measured costs (README, Adaptive speculation)",
     )
     g.add_argument(
         "--dtype",
@@ -348,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N] (local target)"
     )
+    chat.add_argument(d, "the prompts (also sent to --endpoint)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_datagen)
 

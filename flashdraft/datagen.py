@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .chat import chat_ids
 from .files import atomic_write, write_json
 
 log = logging.getLogger("flashdraft")
@@ -47,6 +48,7 @@ MATCHED = (
     ("--target", "target"),
     ("--target", "tokenizer_sha256"),
     ("--target", "chat_template_sha256"),
+    ("--chat-template-kwargs", "chat_template_kwargs"),
     ("--endpoint", "backend"),
     ("--model", "model"),
     ("--max-new-tokens", "max_new_tokens"),
@@ -79,6 +81,9 @@ class DatagenConfig:
     device: str = "auto"  # where the local target runs: auto (CUDA when present), cpu or cuda[:N]
     progress: bool = True
     timeout_s: float = 600.0  # per endpoint request
+    chat_template_kwargs: dict | None = (
+        None  # chat template options (thinking mode), also sent to an endpoint
+    )
 
 
 @dataclass
@@ -348,15 +353,6 @@ def load_prompts(datasets: Sequence[str], limit: int | None, seed: int) -> tuple
     return prompts, dups
 
 
-def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
 def _sha256_text(text: str | None) -> str | None:
     return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -530,6 +526,8 @@ def _generate_endpoint(
         }
         if cfg.top_k > 0:
             body["top_k"] = cfg.top_k  # vLLM / SGLang extension
+        if cfg.chat_template_kwargs:
+            body["chat_template_kwargs"] = cfg.chat_template_kwargs  # vLLM / SGLang / flashdraft serve
         if cfg.temperature > 0:
             body["seed"] = _seed_for(cfg.seed, p.id) % 2**31
         reply = _post(url, body, cfg.timeout_s)
@@ -641,6 +639,7 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
             "chat_template_sha256": _sha256_text(
                 template if isinstance(template, str) else json.dumps(template)
             ),
+            "chat_template_kwargs": cfg.chat_template_kwargs or None,
             "stop_ids": stop_ids,
             "datasets": list(datasets),
             "backend": "endpoint" if cfg.endpoint else "local",
@@ -669,7 +668,7 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
         max_len = target.max_length if target is not None else None
         ready = []
         for p in todo:
-            p.prompt_ids = _chat_ids(tokenizer, p.messages)
+            p.prompt_ids = chat_ids(tokenizer, p.messages, cfg.chat_template_kwargs)
             if max_len is not None and len(p.prompt_ids) + cfg.max_new_tokens > max_len:
                 summary.too_long += 1
                 continue

@@ -9,7 +9,8 @@ anchor alone: plain decoding, through the same code. `decode.generate` is this e
 
 Rows of different lengths share one cache through per-slot positions (`flashdraft.slots`): then every
 forward needs an explicit attention mask. While the rows are aligned (every row's slot i holds its
-position i, always so at batch 1) the engine passes no mask and pays nothing for batching.
+position i, always so at batch 1) the engine keeps no slot positions, passes no mask and pays nothing
+for batching; the positions are materialised the first time the rows stop being aligned.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class Engine:
         self.active: dict[str, Row] = {}  # running or waiting, by request id
         self.lock = threading.Lock()
         self.cache = None
-        self.kpos = torch.empty(0, 0, dtype=torch.long, device=target.device)  # (B, S) slot positions
-        self.aligned = True  # every row's slot i holds its position i: no attention mask needed
+        self.length = 0  # slots in the cache
+        self.kpos: torch.Tensor | None = None  # (B, length) slot positions; None while the rows are aligned
         self.stats = {
             "verify_steps": 0,  # per-row verify forwards
             "committed": 0,  # tokens committed by verify steps
@@ -125,6 +126,12 @@ class Engine:
             if request_id in self.active:
                 self.cancelled.add(request_id)
 
+    def slot_positions(self) -> torch.Tensor:
+        """(B, S): the position every slot of the cache holds for its row (DEAD: nothing)."""
+        if self.kpos is not None:
+            return self.kpos
+        return torch.arange(self.length, device=self.target.device).expand(len(self.rows), -1)
+
     def pending(self) -> int:
         """Rows running plus rows waiting to join."""
         with self.lock:
@@ -168,26 +175,27 @@ class Engine:
                 drafts[b, : ks[b]] = d.to(device)
         t1 = time.perf_counter()
         steps = torch.arange(k_max + 1, device=device)
-        q_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + steps
-        block = torch.cat([torch.tensor([r.tokens[-1] for r in rows], device=device)[:, None], drafts], 1)
-        aligned = self.aligned and len(set(ks)) == 1
-        new_kpos = q_pos
-        if not aligned:
+        same_k = len(set(ks)) == 1
+        aligned = self.kpos is None and same_k
+        if aligned:  # every row's block sits at the same positions, right after the cache
+            q_pos = (steps + self.length).expand(len(rows), -1)
+            new_kpos, mask = q_pos, None
+        else:
+            q_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + steps
             new_kpos = torch.where(steps <= torch.tensor(ks, device=device)[:, None], q_pos, DEAD)
-        kpos = torch.cat([self.kpos, new_kpos], 1)
+            mask = self.target.attention_mask(q_pos, torch.cat([self.slot_positions(), new_kpos], 1))
+        block = torch.cat([torch.tensor([r.tokens[-1] for r in rows], device=device)[:, None], drafts], 1)
         logits, feats = self.target.forward(
-            block,
-            q_pos,
-            self.cache,
-            features=self.feature_layers,
-            attention_mask=None if aligned else self.target.attention_mask(q_pos, kpos),
+            block, q_pos, self.cache, features=self.feature_layers, attention_mask=mask
         )
         t2 = time.perf_counter()
         # Greedy rows all at once: one argmax and one host transfer per step, not a few per row.
         if any(r.sampling.greedy for r in rows):
             choice = logits.argmax(-1)  # (B, k_max + 1)
-            real = steps[:k_max] < torch.tensor(ks, device=device)[:, None]
-            accepted = ((drafts == choice[:, :k_max]) & real).cumprod(-1).sum(-1)
+            match = drafts == choice[:, :k_max]
+            if not same_k:  # a row's padding after its own drafts never counts as accepted
+                match &= steps[:k_max] < torch.tensor(ks, device=device)[:, None]
+            accepted = match.cumprod(-1).sum(-1)
             choice_l, accepted_l = choice.tolist(), accepted.tolist()
         drafts_l = drafts.tolist()
         out, n = [], []
@@ -204,13 +212,13 @@ class Engine:
             out.append(StepOutput(row.request_id, new, row.finished, len(new)))
         # The cache keeps each row's anchor and accepted drafts (its first n slots of the block);
         # slots that no row kept are cut off right away.
-        if aligned and len(set(n)) == 1:
-            self.kpos = kpos[:, : self.kpos.shape[1] + n[0]]
+        if self.kpos is None and len(set(n)) == 1:  # every row kept its first n slots: still aligned
+            self.length += n[0]
         else:
             kept = torch.where(steps < torch.tensor(n, device=device)[:, None], new_kpos, DEAD)
-            self.kpos = torch.cat([self.kpos, kept[:, : max(n)]], 1)
-            self.aligned = False
-        self.target.crop(self.cache, self.kpos.shape[1])
+            self.kpos = torch.cat([self.slot_positions(), kept[:, : max(n)]], 1)
+            self.length = self.kpos.shape[1]
+        self.target.crop(self.cache, self.length)
         if self.proposer is not None:
             self.proposer.accept(feats, n)
             if proposed:
@@ -245,21 +253,23 @@ class Engine:
     def _keep(self, index: list[int]) -> None:
         """Only these rows stay in the batch and its caches; compact when dead slots pile up."""
         if not index:  # the batch is empty: the next row starts on a fresh cache, aligned
-            self.rows, self.cache, self.kpos, self.aligned = [], None, self.kpos[:0, :0], True
+            self.rows, self.cache, self.kpos, self.length = [], None, None, 0
             if self.proposer is not None:
                 self.proposer.keep([])
             return
         if len(index) < len(self.rows):
-            idx = torch.tensor(index, dtype=torch.long, device=self.kpos.device)
+            idx = torch.tensor(index, dtype=torch.long, device=self.target.device)
             self.rows = [self.rows[i] for i in index]
-            self.kpos = self.kpos[idx]
+            if self.kpos is not None:
+                self.kpos = self.kpos[idx]
             map_target_cache(self.cache, lambda t: t[idx])
             if self.proposer is not None:
                 self.proposer.keep(index)
-        if not self.aligned and worth_compacting(self.kpos):
+        if self.kpos is not None and worth_compacting(self.kpos):
             order, n_live = live_order(self.kpos)
             map_target_cache(self.cache, lambda t: gather_slots(t, order))
             self.kpos = self.kpos.gather(1, order)
+            self.length = n_live
             self.stats["compactions"] += 1
 
     def _prefill(self, rows: list[Row]) -> list[StepOutput]:
@@ -300,14 +310,14 @@ class Engine:
             kpos = kpos[idx]
             map_target_cache(cache, lambda t: t[idx])
         if self.cache is None:
-            self.cache, self.kpos, self.aligned = cache, kpos, same
+            self.cache, self.kpos, self.length = cache, None if same else kpos, p_len
         else:
-            length = max(self.kpos.shape[1], p_len)
+            length = max(self.length, p_len)
             for mine, new in zip(self.cache.layers, cache.layers, strict=True):
                 mine.keys = torch.cat([pad_slots(mine.keys, length), pad_slots(new.keys, length)])
                 mine.values = torch.cat([pad_slots(mine.values, length), pad_slots(new.values, length)])
-            self.kpos = torch.cat([pad_kpos(self.kpos, length), pad_kpos(kpos, length)])
-            self.aligned = False
+            self.kpos = torch.cat([pad_kpos(self.slot_positions(), length), pad_kpos(kpos, length)])
+            self.length = length
         joined = [rows[b] for b in stay]
         self.rows += joined
         if self.proposer is not None:

@@ -88,7 +88,7 @@ class DFlashProposer(Proposer):
     Each row's new context (its prompt's features after the prefill, then the committed tokens of each
     verify) waits in `pending` until the next draft call writes it into the draft's context cache.
     While the rows are aligned (same positions in every slot: always so at batch 1) the call needs no
-    mask. Otherwise context is padded to the longest row with dead slots (`flashdraft.slots`) and blocks
+    mask and no slot positions are kept. Otherwise context is padded to the longest row with dead slots (`flashdraft.slots`) and blocks
     are as long as the longest row's, a row's extra block slots dead for it, so every row's drafts are
     the ones it would get alone. Sliding-window draft layers see a window counted in positions.
 
@@ -113,28 +113,39 @@ class DFlashProposer(Proposer):
 
     def reset(self):
         self.cache = self.draft.new_cache()
-        self.kpos = torch.empty(0, 0, dtype=torch.long, device=self.target.device)  # (B, S) slot positions
+        self.kpos: torch.Tensor | None = (
+            None  # (B, S) slot positions; None while every slot i holds position i
+        )
         self.pending: list[tuple[int, torch.Tensor]] = []  # per row: (first position, features)
-        self.aligned = True  # every row's context slot i holds position i
+        self.aligned = True  # also the pending context: every row's starts at the same position, same length
+
+    def slot_positions(self) -> torch.Tensor:
+        """(B, S): the position every slot of the draft's context cache holds for its row (DEAD: nothing)."""
+        if self.kpos is not None:
+            return self.kpos
+        return torch.arange(self.cache.length, device=self.target.device).expand(len(self.pending), -1)
 
     def join(self, rows, features):
         if not self.pending:  # an empty batch starts over, aligned
             self.reset()
             self.aligned = len({f.shape[0] for f in features}) == 1
-        else:
-            self.aligned = False
+            self.pending = [(0, f) for f in features]
+            return
         n, length = len(rows), self.cache.length
         map_draft_cache(self.cache, lambda t: torch.cat([t, t.new_zeros(n, *t.shape[1:])]))
-        self.kpos = torch.cat([self.kpos, self.kpos.new_full((n, length), DEAD)])
+        kpos = self.slot_positions()
+        self.kpos = torch.cat([kpos, kpos.new_full((n, length), DEAD)])
         self.pending += [(0, f) for f in features]
+        self.aligned = False
 
     def keep(self, index):
         if not index:
             self.reset()
             return
-        idx = torch.tensor(index, dtype=torch.long, device=self.kpos.device)
+        idx = torch.tensor(index, dtype=torch.long, device=self.target.device)
         map_draft_cache(self.cache, lambda t: t[idx])
-        self.kpos = self.kpos[idx]
+        if self.kpos is not None:
+            self.kpos = self.kpos[idx]
         self.pending = [self.pending[i] for i in index]
 
     def accept(self, features, n):
@@ -145,8 +156,8 @@ class DFlashProposer(Proposer):
         ]
 
     def propose(self, rows, ks):
-        device, n_rows, k_max = self.kpos.device, len(rows), max(ks)
-        if not self.aligned and worth_compacting(self.kpos):
+        device, n_rows, k_max = self.target.device, len(rows), max(ks)
+        if self.kpos is not None and worth_compacting(self.kpos):
             order, n_live = live_order(self.kpos)
             map_draft_cache(self.cache, lambda t: gather_slots(t, order))
             self.kpos, self.cache.length = self.kpos.gather(1, order), n_live
@@ -160,32 +171,35 @@ class DFlashProposer(Proposer):
             ctx = self.pending[0][1].new_zeros(n_rows, c_len, self.pending[0][1].shape[1])
             for b, (_, f) in enumerate(self.pending):
                 ctx[b, : f.shape[0]] = f
-        c_steps = torch.arange(c_len, device=device)
-        ctx_pos = torch.tensor([s for s, _ in self.pending], device=device)[:, None] + c_steps
-        ctx_kpos = torch.where(c_steps < torch.tensor(lens, device=device)[:, None], ctx_pos, DEAD)
         # Block [anchor, MASK...] of the longest row's length; slots past a row's own k are dead for it.
-        steps = torch.arange(k_max + 1, device=device)
-        blk_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + steps
-        blk_kpos = torch.where(steps <= torch.tensor(ks, device=device)[:, None], blk_pos, DEAD)
         block = torch.full((n_rows, k_max + 1), self.mask_id, dtype=torch.long, device=device)
         block[:, 0] = torch.tensor([r.tokens[-1] for r in rows], device=device)
         embeds = self.target.embed(block).to(self.draft.fc.weight.dtype)
         if self.embed_scale != 1.0:
             embeds = embeds * self.embed_scale
-        kpos = torch.cat([self.kpos, ctx_kpos, blk_kpos], 1)
-        mask = None
-        if self.aligned and len(set(ks)) == 1:
-            if self.cache.length + c_len != rows[0].anchor:
+        if self.aligned and len(set(ks)) == 1:  # one set of positions for all rows, no mask
+            start = self.cache.length
+            if start + c_len != rows[0].anchor:
                 raise RuntimeError(
-                    f"draft context covers {self.cache.length + c_len} positions, anchor is at {rows[0].anchor}"
+                    f"draft context covers {start + c_len} positions, anchor is at {rows[0].anchor}"
                 )
+            pos = torch.arange(start, start + c_len + k_max + 1, device=device).expand(n_rows, -1)
+            ctx_pos, blk_pos, mask = pos[:, :c_len], pos[:, c_len:], None
         else:
+            c_steps = torch.arange(c_len, device=device)
+            ctx_pos = torch.tensor([s for s, _ in self.pending], device=device)[:, None] + c_steps
+            ctx_kpos = torch.where(c_steps < torch.tensor(lens, device=device)[:, None], ctx_pos, DEAD)
+            steps = torch.arange(k_max + 1, device=device)
+            blk_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + steps
+            blk_kpos = torch.where(steps <= torch.tensor(ks, device=device)[:, None], blk_pos, DEAD)
+            kpos = torch.cat([self.slot_positions(), ctx_kpos, blk_kpos], 1)
             mask = (kpos != DEAD)[:, None, None, :]  # inference attends everywhere it may
             if self.window is not None:
                 diff = blk_pos[:, None, :, None] - kpos[:, None, None, :]
                 mask = {"full_attention": mask, "sliding_attention": (diff >= 0) & (diff < self.window)}
         hidden = self.draft(embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask)
-        self.kpos = kpos[:, : self.cache.length]
+        if not self.aligned:  # aligned context stays aligned in the cache, whatever the block's mask was
+            self.kpos = kpos[:, : self.cache.length]
         self.pending = [(r.anchor, ctx.new_zeros(0, ctx.shape[2])) for r in rows]  # next: committed tokens
         logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head)
         self.last_logits = logits  # (B, k_max, V), for inspection (tests compare them across batch sizes)

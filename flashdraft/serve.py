@@ -32,6 +32,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request  # FastAPI resolves route annotations in this module's globals
 
+from .adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
+from .chat import chat_ids, check_kwargs
 from .decode import GenerationConfig
 from .engine import Engine
 from .sampling import SamplingConfig
@@ -500,23 +502,14 @@ class App:
             msgs.append({"role": m["role"], "content": content or ""})
         if not getattr(self.tok, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        kwargs = (req.model_extra or {}).get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise ApiError(
-                400,
-                'chat_template_kwargs must be an object, e.g. {"enable_thinking": false}',
-                "chat_template_kwargs",
-            )
-        reserved = sorted(set(kwargs) & {"conversation", "tokenize", "return_dict", "add_generation_prompt"})
-        if reserved:
-            raise ApiError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
         try:
-            ids = self.tok.apply_chat_template(
-                msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
-            )
+            kwargs = check_kwargs((req.model_extra or {}).get("chat_template_kwargs") or {})
+        except ValueError as e:
+            raise ApiError(400, f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
+        try:
+            return chat_ids(self.tok, msgs, kwargs)
         except Exception as e:  # template errors (e.g. roles that must alternate) are the caller's
             raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def _completion_ids(self, req: CompletionRequest) -> list[int]:
         p = req.prompt
@@ -790,6 +783,7 @@ class ServeConfig:
     max_batch_size: int = 8
     block_size: int | None = None  # None: the draft's
     proposal: str = "draft"
+    speculation: str = DEFAULT_SPECULATION  # fixed blocks, or the adaptive rule (flashdraft.adaptive)
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     model_name: str | None = None  # None: --target as given
@@ -821,7 +815,8 @@ def serve(cfg: ServeConfig) -> None:
     )
 
     def make_decoder():
-        return Engine(target, draft, cfg.block_size, cfg.max_batch_size, cfg.proposal)
+        proposer = make_proposer(draft, target, cfg.proposal, cfg.speculation)
+        return Engine(target, block_size=cfg.block_size, max_batch_size=cfg.max_batch_size, proposer=proposer)
 
     api_key = cfg.api_key or os.environ.get("FLASHDRAFT_API_KEY") or None
     app = App(
@@ -859,6 +854,13 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together per step")
     p.add_argument("--block-size", type=int, default=None, help="default: the draft's; 1 = plain decoding")
     p.add_argument("--proposal", choices=["draft", "greedy"], default="draft", help="drafts when sampling")
+    p.add_argument(
+        "--speculation",
+        choices=SPECULATION,
+        default=DEFAULT_SPECULATION,
+        help="fixed: verify every drafted token; adaptive: DFlash and n-gram lookup, cut and skipped by "
+        "measured costs (README, Adaptive speculation)",
+    )
     p.add_argument(
         "--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it"
     )

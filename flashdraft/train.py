@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import chat
 from .acceptance import offline_tau, read_references
 from .decode import GenerationConfig, generate
 from .draft import DFlashDraft, DraftError, init_draft_config
@@ -696,6 +697,7 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--corpus-skip", type=int, default=0, help="skip this many pairs of each corpus first (a fresh slice)"
     )
+    chat.add_argument(p, "corpus conversations and evaluation prompts")
     p.add_argument(
         "--init-draft",
         default=None,

@@ -65,6 +65,7 @@ class TrainConfig:
     corpus_limit: int | None = None  # (prompt, answer) pairs taken from each named corpus in --data
     corpus_skip: int = 0  # ... after skipping this many (each sitting of a campaign can take a fresh slice)
     init_draft: str | None = None  # start from this draft's weights (fresh optimizer and schedule)
+    chat_template_kwargs: dict | None = None  # chat template options for corpora and evaluation prompts
     resume: bool = False
     progress: bool = True
 
@@ -101,6 +102,7 @@ RUN_FIELDS = (
     "corpus_limit",
     "corpus_skip",
     "init_draft",
+    "chat_template_kwargs",
 )
 
 

@@ -31,12 +31,14 @@ def is_corpus(name: str) -> bool:
     return not Path(name).exists() and (name in CORPORA or name in EVAL_SETS)
 
 
-def corpus_records(name: str, tokenizer, limit: int | None, seed: int = 0, skip: int = 0) -> list[dict]:
+def corpus_records(
+    name: str, tokenizer, limit: int | None, seed: int = 0, skip: int = 0, template_kwargs: dict | None = None
+) -> list[dict]:
     """Records of a text corpus (`data.CORPORA`): each prompt through the chat template, and its recorded
     answer as the response, as the template renders an assistant turn. No regeneration: with --distill
     the labels are the target's own distributions over this text (teacher forcing)."""
+    from .chat import chat_ids
     from .data import DataError, load_corpus
-    from .datagen import _chat_ids
 
     if tokenizer is None:
         raise TrainError(f"--data {name}: a corpus needs the target's tokenizer, and this target has none")
@@ -50,11 +52,8 @@ def corpus_records(name: str, tokenizer, limit: int | None, seed: int = 0, skip:
         pairs, desc=f"tokenizing {name}", unit="pair", leave=False, disable=len(pairs) < 500
     ):
         msgs = ex.messages()
-        prompt = _chat_ids(tokenizer, msgs)
-        full = tokenizer.apply_chat_template(
-            msgs + [{"role": "assistant", "content": answer}], tokenize=True, return_dict=False
-        )
-        full = [int(t) for t in (full["input_ids"] if hasattr(full, "keys") else full)]
+        prompt = chat_ids(tokenizer, msgs, template_kwargs)
+        full = chat_ids(tokenizer, msgs + [{"role": "assistant", "content": answer}], template_kwargs, False)
         if full[: len(prompt)] == prompt:
             response = full[len(prompt) :]
             if eos in response:  # what follows the end of turn is never generated
@@ -94,7 +93,9 @@ def prepare_data(
     for item in cfg.data:
         name, weight = data_source(item)
         part = (
-            corpus_records(name, tokenizer, cfg.corpus_limit, cfg.seed, cfg.corpus_skip)
+            corpus_records(
+                name, tokenizer, cfg.corpus_limit, cfg.seed, cfg.corpus_skip, cfg.chat_template_kwargs
+            )
             if is_corpus(name)
             else read_records(name, vocab_size)
         )
@@ -123,7 +124,7 @@ def prepare_data(
                     if r["prompt_ids"]
                 ]
             else:
-                eval_sets[item] = dataset_prompts(item, cfg.eval_prompts, tokenizer)
+                eval_sets[item] = dataset_prompts(item, cfg.eval_prompts, tokenizer, cfg.chat_template_kwargs)
     elif cfg.eval_prompts:
         if cfg.eval_prompts >= len(records):
             raise TrainError(
@@ -176,17 +177,17 @@ def _is_prompt_file(path: str) -> bool:
         return path.endswith(".jsonl") and '"turns"' in f.readline()
 
 
-def dataset_prompts(name: str, n: int, tokenizer) -> list[list[int]]:
+def dataset_prompts(name: str, n: int, tokenizer, template_kwargs: dict | None = None) -> list[list[int]]:
     """The first `n` prompts of a built-in data set, through the target's chat template."""
+    from .chat import chat_ids
     from .data import DataError, load_dataset
-    from .datagen import _chat_ids
 
     if tokenizer is None:
         raise TrainError(
             f"--eval-data {name}: not a file, and this target has no tokenizer to ask a data set with"
         )
     try:
-        return [_chat_ids(tokenizer, ex.messages()) for ex in load_dataset(name, limit=n)[:n]]
+        return [chat_ids(tokenizer, ex.messages(), template_kwargs) for ex in load_dataset(name, limit=n)[:n]]
     except DataError as e:
         raise TrainError(f"--eval-data {name} is neither a file nor a usable data set: {e}") from None
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, NgramProposer, generate, load_target
-from flashdraft.adaptive import AdaptiveProposer
+from flashdraft import DFlashDraft, GenerationConfig, generate, load_target
+from flashdraft.adaptive import make_proposer
+from flashdraft.chat import chat_ids
 from flashdraft.cli import _TextStream
 from flashdraft.draft import init_draft_config
 
@@ -55,19 +56,16 @@ def main() -> int:
         cfg = init_draft_config(target.model.config, 2, mask_token_id=16, block_size=16)
         draft, which = DFlashDraft(cfg).to(target.dtype), "RANDOM draft (no shipped draft: expect tau ~1)"
     block = min(args.block_size or CPU_BLOCK_SIZE, draft.config.block_size)
-    proposer = DFlashProposer(draft, target)
+    proposer = make_proposer(draft, target, speculation="adaptive" if args.adaptive else "fixed")
     if args.adaptive:  # it cuts blocks itself: give it the draft's whole block
         block = args.block_size or draft.config.block_size
-        proposer = AdaptiveProposer(proposer, NgramProposer(block_size=block))
     print(
         f"{which}; {target.dtype} on {torch.get_num_threads()} threads; DFlash verifies blocks of {block}\n"
     )
     tok = target.tokenizer
     totals = {"plain": [0, 0.0], "dflash": [0, 0.0]}
     for text in PROMPTS:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        ids = chat_ids(tok, [{"role": "user", "content": text}])
         print(f"> {text}")
         results = {}
         for name, prop in (("plain", None), ("dflash", proposer)):

@@ -54,8 +54,8 @@ BUGS = [
     (
         "padded draft slots compared like drafts in batched greedy verification",
         "flashdraft/engine.py",
-        "accepted = ((drafts == choice[:, :k_max]) & real).cumprod(-1).sum(-1)",
-        "accepted = (drafts == choice[:, :k_max]).cumprod(-1).sum(-1)",
+        "match &= steps[:k_max] < torch.tensor(ks, device=device)[:, None]",
+        "match &= steps[:k_max] >= 0",
         "tests/test_batch.py::test_padding_equal_to_the_true_next_token_is_never_accepted",
     ),
     (
@@ -89,8 +89,8 @@ BUGS = [
     (
         "chat_template_kwargs dropped by serve",
         "flashdraft/serve.py",
-        "add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs",
-        "add_generation_prompt=True, tokenize=True, return_dict=False",
+        "return chat_ids(self.tok, msgs, kwargs)",
+        "return chat_ids(self.tok, msgs)",
         "tests/test_serve.py::test_chat_template_kwargs_reach_the_template",
     ),
     (
@@ -110,8 +110,8 @@ BUGS = [
     (
         "`generate --chat-template-kwargs` ignored",
         "flashdraft/cli.py",
-        "            **args.chat_template_kwargs,\n",
-        "",
+        'chat.chat_ids(tok, [{"role": "user", "content": args.prompt}], args.chat_template_kwargs)',
+        'chat.chat_ids(tok, [{"role": "user", "content": args.prompt}])',
         "tests/test_cli.py::test_generate_chat_template_kwargs_reach_the_template",
     ),
     (
@@ -232,6 +232,83 @@ BUGS = [
         '    if hasattr(prompt_ids, "keys") and "input_ids" in prompt_ids:',
         "    if False:",
         "tests/test_decode.py::test_generate_accepts_what_tokenizers_return",
+    ),
+    (
+        "datagen renders prompts without the chat template options",
+        "flashdraft/datagen.py",
+        "p.prompt_ids = chat_ids(tokenizer, p.messages, cfg.chat_template_kwargs)",
+        "p.prompt_ids = chat_ids(tokenizer, p.messages)",
+        "tests/test_chat.py::test_datagen_renders_records_and_refuses_to_mix_modes",
+    ),
+    (
+        "datagen does not record the chat template options (a file could mix modes)",
+        "flashdraft/datagen.py",
+        '            "chat_template_kwargs": cfg.chat_template_kwargs or None,\n',
+        "",
+        "tests/test_chat.py::test_datagen_renders_records_and_refuses_to_mix_modes",
+    ),
+    (
+        "datagen does not send the chat template options to an endpoint",
+        "flashdraft/datagen.py",
+        'body["chat_template_kwargs"] = cfg.chat_template_kwargs',
+        "pass",
+        "tests/test_datagen.py::test_endpoint_produces_the_same_record_format",
+    ),
+    (
+        "bench renders prompts without the chat template options",
+        "flashdraft/bench.py",
+        "ids = chat_ids(tok, ex.messages(), template_kwargs)",
+        "ids = chat_ids(tok, ex.messages())",
+        "tests/test_chat.py::test_bench_and_train_render_with_the_options",
+    ),
+    (
+        "train's evaluation prompts ignore the chat template options",
+        "flashdraft/train_data.py",
+        "chat_ids(tokenizer, ex.messages(), template_kwargs)",
+        "chat_ids(tokenizer, ex.messages())",
+        "tests/test_chat.py::test_bench_and_train_render_with_the_options",
+    ),
+    (
+        "train's corpus prompts ignore the chat template options",
+        "flashdraft/train_data.py",
+        "prompt = chat_ids(tokenizer, msgs, template_kwargs)",
+        "prompt = chat_ids(tokenizer, msgs)",
+        "tests/test_chat.py::test_bench_and_train_render_with_the_options",
+    ),
+    (
+        "a README command with a wrong flag",
+        "README.md",
+        "--layers 2 --mask-token-id 16 --out drafts/random",
+        "--layers 2 --mask-id 16 --out drafts/random",
+        "tests/test_readme.py::test_readme_blocks_run",
+    ),
+    (
+        "a README block that nobody runs",
+        "README.md",
+        "## Serve\n",
+        "## Serve\n\n```bash\nflashdraft serve --nonsense\n```\n",
+        "tests/test_readme.py::test_every_block_runs_or_says_why_not",
+    ),
+    (
+        "the draft's slot positions are dropped once its rows lose alignment",
+        "flashdraft/proposers.py",
+        "        if not self.aligned:  # aligned context",
+        "        if False:  # aligned context",
+        "tests/test_batch.py::test_long_run_compacts_and_stays_exact",
+    ),
+    (
+        "rows of different prompt lengths treated as aligned after their prefill",
+        "flashdraft/engine.py",
+        "self.cache, self.kpos, self.length = cache, None if same else kpos, p_len",
+        "self.cache, self.kpos, self.length = cache, None, p_len",
+        "tests/test_batch.py",
+    ),
+    (
+        "--speculation adaptive runs fixed blocks",
+        "flashdraft/adaptive.py",
+        '    if speculation == "fixed":\n        return dflash\n',
+        "    return dflash\n",
+        "tests/test_cli.py::test_generate_json_speculative_equals_plain",
     ),
 ]
 

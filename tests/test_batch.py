@@ -98,18 +98,20 @@ def assert_same_logits(batched: list[torch.Tensor], alone: list[torch.Tensor], w
 def check_caches(dec: Engine) -> None:
     """Every running row's live target slots hold exactly positions 0..anchor-1, once each; the draft's
     live slots plus its pending context cover the same positions."""
-    assert dec.kpos.shape[0] == len(dec.rows)
+    kpos = dec.slot_positions()
+    assert kpos.shape == (len(dec.rows), dec.length)
     if dec.rows:
-        assert dec.cache.layers[0].keys.shape[:3:2] == dec.kpos.shape
+        assert dec.cache.layers[0].keys.shape[:3:2] == kpos.shape
     for b, row in enumerate(dec.rows):
-        live = sorted(p for p in dec.kpos[b].tolist() if p != DEAD)
+        live = sorted(p for p in kpos[b].tolist() if p != DEAD)
         assert live == list(range(row.anchor)), (row.request_id, live, row.anchor)
     prop = dec.proposer
     if isinstance(prop, DFlashProposer):
-        assert prop.kpos.shape[0] == len(prop.pending) == len(dec.rows)
+        kpos = prop.slot_positions()
+        assert kpos.shape[0] == len(prop.pending) == len(dec.rows)
         for b, row in enumerate(dec.rows):
             start, feats = prop.pending[b]
-            live = sorted(p for p in prop.kpos[b].tolist() if p != DEAD)
+            live = sorted(p for p in kpos[b].tolist() if p != DEAD)
             assert live + list(range(start, start + len(feats))) == list(range(row.anchor))
 
 
@@ -252,7 +254,7 @@ def test_join_midway_and_cancel(tiny_llama):
     for k in ("r0", "r2", "r3", "r5"):
         assert got[k] == want[k] and ended[k] == "length", k
     assert want["r1"][: len(got["r1"])] == got["r1"] and got["r4"] == []
-    assert dec.cache is None and dec.kpos.shape == (0, 0)
+    assert dec.cache is None and dec.kpos is None and dec.length == 0
 
 
 def test_long_run_compacts_and_stays_exact(tiny_llama):
@@ -283,7 +285,7 @@ def test_long_run_compacts_and_stays_exact(tiny_llama):
             check_caches(dec)
             if dec.rows:
                 longest = max(r.anchor for r in dec.rows)
-                assert dec.kpos.shape[1] <= longest + max(32, longest // 4) + 8
+                assert dec.length <= longest + max(32, longest // 4) + 8
         for i, c in enumerate(configs):
             assert got[str(i)] == truths[str(i)][: c.max_new_tokens], (type(proposer).__name__, i)
         assert dec.stats["compactions"] > 0

@@ -79,6 +79,10 @@ def test_generate_json_speculative_equals_plain(dirs):
     for key in ("token_ids", "text", "acceptance_lengths", "tau", "tokens_per_s"):
         assert key in spec
     assert sum(spec["acceptance_lengths"]) == 19 and spec["tau"] >= 1
+    # The adaptive rule (a random draft: it soon stops drafting) gives the same tokens.
+    adaptive = json.loads(run(*common, "--draft", str(draft), "--speculation", "adaptive").stdout)
+    assert adaptive["token_ids"] == plain["token_ids"] and adaptive["speculation"] == "adaptive"
+    assert adaptive["adaptive"]["skipped_steps"] > 0 and spec["adaptive"] is None
 
 
 def test_generate_sampling_is_seeded(dirs, capsys):

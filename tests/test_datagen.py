@@ -334,6 +334,7 @@ def test_endpoint_produces_the_same_record_format(tiny, tmp_path, fake_server):
     for _, body in requests:
         assert body["model"] == "served-name" and body["max_tokens"] == 33
         assert body["temperature"] == 0.5 and body["top_p"] == 0.9 and body["messages"][-1]["role"] == "user"
+        assert "chat_template_kwargs" not in body  # only when asked: not every server takes it
     examples = {e.id: e for e in load_dataset("humaneval", limit=10)}
     recs = list(read_records(out, vocab_size=VOCAB))
     assert sorted(r["id"] for r in recs) == sorted(examples)
@@ -373,6 +374,15 @@ def test_endpoint_produces_the_same_record_format(tiny, tmp_path, fake_server):
     assert len(requests) == 2
     with pytest.raises(DataGenError, match=r"backend 'endpoint' \(now 'local', --endpoint\)"):
         run_datagen(_cfg(d, out, limit=12, max_new_tokens=33, temperature=0.5, top_p=0.9))
+
+    # Chat template options (thinking mode) go to the server too, which renders the prompt there.
+    requests.clear()
+    run_datagen(
+        _cfg(
+            d, tmp_path / "ep2.jsonl", endpoint=url, limit=1, chat_template_kwargs={"enable_thinking": False}
+        )
+    )
+    assert [body["chat_template_kwargs"] for _, body in requests] == [{"enable_thinking": False}]
 
 
 def test_endpoint_down_is_a_clear_error(tiny, tmp_path):

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from flashdraft import train as T
 from flashdraft import train_config as TC
 from flashdraft import train_data as TD
+from flashdraft.chat import chat_ids
 from flashdraft.data import load_corpus, sharegpt_split
-from flashdraft.datagen import _chat_ids
 
 EOS = 2
 
@@ -59,7 +59,7 @@ def test_corpus_records_are_the_chat_template_and_the_recorded_answer(chat):
     assert len(records) == 4
     for (ex, answer), r in zip(pairs, records, strict=True):
         assert sharegpt_split(ex.turns[0]) == "train"
-        assert r["prompt_ids"] == _chat_ids(tok, ex.messages())
+        assert r["prompt_ids"] == chat_ids(tok, ex.messages())
         # The response is the answer as an assistant turn, ending on the end-of-turn token and no further.
         assert r["response_ids"][-1] == EOS and EOS not in r["response_ids"][:-1]
         assert tok.decode(r["response_ids"][:-1]).strip() == answer.strip()
