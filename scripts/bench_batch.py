@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from flashdraft import DFlashDraft, Engine, GenerationConfig, SamplingConfig, load_target
+from flashdraft.chat import chat_ids
 from flashdraft.data import load_dataset
 
 
@@ -44,10 +45,7 @@ def chat_prompts(target, dataset: str, n: int) -> list[list[int]]:
     examples = load_dataset(dataset, limit=n)
     if len(examples) < n:
         raise SystemExit(f"{dataset} has {len(examples)} prompts, fewer than --prompts {n}")
-    return [
-        tok.apply_chat_template(ex.messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
-        for ex in examples
-    ]
+    return [chat_ids(tok, ex.messages()) for ex in examples]
 
 
 def run(target, draft, block_size, batch_size, prompts, config) -> dict:

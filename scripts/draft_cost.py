@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from flashdraft.bench import calibrate  # noqa: E402
+from flashdraft.chat import chat_ids  # noqa: E402
 from flashdraft.draft import DFlashDraft  # noqa: E402
 from flashdraft.models import load_target  # noqa: E402
 
@@ -33,11 +34,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.block_sizes.split(",")]
     target = load_target(args.target, "auto", "cpu")
-    prompt = target.tokenizer.apply_chat_template(
+    prompt = chat_ids(
+        target.tokenizer,
         [{"role": "user", "content": "Explain in a few sentences how a hash table handles collisions."}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
     )
     seq = list(prompt) + [target.tokenizer.encode(" The", add_special_tokens=False)[0]] * 64
     drafts = {
