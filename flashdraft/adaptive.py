@@ -8,9 +8,17 @@ the verifier accepts that position, given it reached it, by a calibration table 
 
 - Cut: drafted token i is verified while the chance that tokens 1..i are all accepted, P_i, is worth its
   verify cost: P_i >= b * R, where R = B / (a + b*B) is the plain decoding rate of the B running rows.
-- Draft or not: a draft step pays when it is expected to commit more per second than a plain step; the
-  running mean gain of past draft steps decides. When it does not pay, the step is plain (or n-gram
-  where the context repeats), and the draft is tried again after 1, 2, 4, ... 64 steps.
+- Draft or not, per request: a draft step pays for a row when it is expected to commit more per second
+  than a plain step; the running mean gain of the row's past draft steps decides. When it does not pay,
+  the row waits (plain, or n-gram where the context repeats) and tries the draft again after 1, 2, 4,
+  ... 64 steps. The step drafts when any row is ready. Every request starts ready, with the typical gain
+  of all requests as a prior worth one step: one request where the draft does not pay (chat) does not
+  make the next one (code, maths) timid. What is a property of the
+  machine and the draft (costs, the draft's calibration) is kept across requests; n-gram lookup's
+  calibration is the request's own (whether a context repeats is the request's nature), its confidence
+  the length of the n-gram that matched.
+- Explore: a row that verified nothing for EXPLORE steps verifies the likeliest first token on offer, so a
+  source judged hopeless is measured again (calibration only learns from what is verified).
 
 Lossless by construction: a prefix of a proposal is a proposal, and every decision depends on the draft's
 distributions (their peaks), never on the tokens sampled from them nor on the target's answer.
@@ -18,11 +26,15 @@ distributions (their peaks), never on the tokens sampled from them nor on the ta
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from .proposers import DFlashProposer, NgramProposer, Proposer
+from .proposers import NOTHING, DFlashProposer, NgramProposer, Proposer
+from .sequence import Row
 
 BINS = 10
+EXPLORE = 16  # a row that verified nothing for this many steps verifies its likeliest drafted token
 SPECULATION = ("fixed", "adaptive")  # what `--speculation` offers
 DEFAULT_SPECULATION = "fixed"
 
@@ -70,10 +82,48 @@ class LinearCost:
         return a, self.prior * a
 
 
+class Calibration:
+    """Per confidence bin, the chance that the verifier accepts a drafted token it reached: (accepted,
+    reached) counts that decay as new ones come, from a prior of 1 in 2."""
+
+    def __init__(self):
+        self.hits, self.seen = torch.ones(BINS), torch.full((BINS,), 2.0)
+
+    @staticmethod
+    def bins(conf: torch.Tensor) -> torch.Tensor:
+        return (conf.clamp(0, 1) * BINS).long().clamp(max=BINS - 1)
+
+    def chances(self, conf: torch.Tensor) -> torch.Tensor:
+        """P_i, the chance that drafted tokens 1..i are all accepted, from per-position confidences."""
+        bins = self.bins(conf)
+        return torch.cumprod(self.hits[bins] / self.seen[bins], 0)
+
+    def update(self, conf: torch.Tensor, accepted: int) -> None:
+        """len(conf) tokens were verified; the first `accepted` were accepted."""
+        reached = min(accepted + 1, len(conf))
+        bins = self.bins(conf[:reached])
+        self.hits.mul_(0.999).index_add_(0, bins, (torch.arange(reached) < accepted).float())
+        self.seen.mul_(0.999).index_add_(0, bins, torch.ones(reached))
+
+
+@dataclass
+class RowState:
+    """One request's draft-or-not state, and its own n-gram calibration (whether its context repeats is a
+    property of the request: code does, chat does not)."""
+
+    gain: float | None = None  # drafted tokens accepted per draft step (running mean, then EMA)
+    verified: float | None = None  # drafted tokens verified per draft step (likewise)
+    steps: int = 0  # draft steps seen
+    wait: int = 0  # steps before the draft is tried again
+    backoff: int = 1  # the next wait when the draft does not pay
+    idle: int = 0  # steps since the row last verified a proposal
+    ngram: Calibration = field(default_factory=Calibration)
+
+
 class AdaptiveProposer(Proposer):
     """A drafting proposer (`DFlashProposer`, whose draft logits give the confidences) and/or n-gram lookup
-    behind the adaptive rule above. The engine tells it how each step went (`observe`); it keeps the costs,
-    the calibration and the draft-or-not state across requests."""
+    behind the adaptive rule above. The engine tells it how each step went (`observe`); it keeps the costs
+    and the calibration across requests, the draft-or-not state per request."""
 
     def __init__(self, dflash: Proposer | None = None, ngram: NgramProposer | None = None):
         if dflash is None and ngram is None:
@@ -83,12 +133,10 @@ class AdaptiveProposer(Proposer):
         self.feature_layers = dflash.feature_layers if dflash is not None else None
         self.verify_cost = LinearCost()
         self.draft_s: float | None = None  # seconds of one draft call (EMA)
-        # per source and confidence bin: (accepted, reached) counts, decaying; a prior of 1 in 2 per bin
-        self.calibration = {src: (torch.ones(BINS), torch.full((BINS,), 2.0)) for src in ("dflash", "ngram")}
-        self.gain: float | None = None  # drafted tokens accepted per row per draft step (EMA)
-        self.verified: float | None = None  # drafted tokens verified per row per draft step (EMA)
-        self.wait, self.backoff = 0, 1  # plain steps before the draft is tried again
-        self.last: list[tuple[str, torch.Tensor]] = []  # per row: (source, confidences) of this step
+        self.calibration = Calibration()  # the draft's, across requests (n-gram lookup's is per request)
+        self.rows: dict[Row, RowState] = {}  # the running rows only
+        self.typical: RowState = RowState()  # gain and verified of all requests (slow EMA): a new one's prior
+        self.last: list[tuple[str, torch.Tensor, Calibration | None]] = []  # per row: what it verified
         self.drafted = False
         self.stats = {"draft_steps": 0, "skipped_steps": 0, "ngram_rows": 0, "dflash_rows": 0}
 
@@ -120,49 +168,73 @@ class AdaptiveProposer(Proposer):
         a, b = fit
         return b * rows / (a + b * rows)
 
-    def chances(self, source: str, conf: torch.Tensor) -> torch.Tensor:
-        """P_i, the chance that drafted tokens 1..i are all accepted, from per-position confidences."""
-        accepted, reached = self.calibration[source]
-        bins = (conf.clamp(0, 1) * BINS).long().clamp(max=BINS - 1)
-        return torch.cumprod(accepted[bins] / reached[bins], 0)
-
-    def wants_draft(self, rows: int) -> bool:
-        """Whether a draft step is expected to commit more per second than a plain one."""
+    def wants_draft(self, state: RowState, rows: int) -> bool:
+        """Whether draft steps are expected to commit more per second than plain ones, for a row whose
+        neighbours fare as it does."""
         if self.dflash is None:
             return False
         fit = self.verify_cost.fit()
-        if self.gain is None or self.draft_s is None or fit is None:
+        if state.gain is None or self.draft_s is None or fit is None:
             return True  # nothing measured yet
         a, b = fit
         plain = a + b * rows
-        spec = self.draft_s + a + b * rows * (1 + self.verified)
-        return (1 + self.gain) / spec > 1 / plain
+        spec = self.draft_s + a + b * rows * (1 + state.verified)
+        return (1 + state.gain) / spec > 1 / plain
 
     def propose(self, rows, ks):
-        self.drafted = self.dflash is not None and self.wait == 0
-        self.wait = max(0, self.wait - 1)
+        self.rows = {r: self.rows.get(r) or self._new_row() for r in rows}  # by Row: ids may be reused
+        states = list(self.rows.values())
+        self.drafted = self.dflash is not None and any(s.wait == 0 for s in states)
+        for s in states:
+            s.wait = max(0, s.wait - 1)
         ng = None
         if self.ngram is not None:
-            ng = [self.ngram.propose_row(r, k) if k else (None, None) for r, k in zip(rows, ks, strict=True)]
+            ng = [self.ngram.lookup(r, k) if k else (NOTHING, 0) for r, k in zip(rows, ks, strict=True)]
         df = self.dflash.propose(rows, ks) if self.drafted else None
         theta = self.threshold(len(rows))
         out, self.last = [], []
-        for b, k in enumerate(ks):
-            best = (0.0, torch.zeros(0, dtype=torch.long), None, "none", torch.zeros(0))
-            if ng is not None and ng[b][0] is not None and len(ng[b][0]):
-                conf = torch.full((len(ng[b][0]),), 0.5)  # one bin for n-gram: its own acceptance rate
-                best = max(best, self._option("ngram", ng[b][0], None, conf, theta), key=lambda o: o[0])
+        for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
+            st, options = self.rows[row], []
+            if ng is not None and len(ng[b][0]):
+                # n-gram confidence: the length of the n-gram that matched (a longer match repeats more often)
+                conf = torch.full((len(ng[b][0]),), ng[b][1] / (self.ngram.max_ngram + 1))
+                options.append(("ngram", ng[b][0], None, conf, st.ngram))
             if df is not None and k:
                 tokens, q = df[b]
-                conf = self._confidence(b, k, q)
-                best = max(best, self._option("dflash", tokens, q, conf, theta), key=lambda o: o[0])
-            _, tokens, q, source, conf = best
+                options.append(("dflash", tokens, q, self._confidence(b, k, q), self.calibration))
+            source, tokens, q, conf, table = self._choose(options, theta, st)
             if source != "none":
                 self.stats[f"{source}_rows"] += 1
             out.append((tokens, q))
-            self.last.append((source, conf))
+            self.last.append((source, conf, table))
         self.stats["draft_steps" if self.drafted else "skipped_steps"] += 1
         return out
+
+    def _new_row(self) -> RowState:
+        """A request starts ready to draft, with what draft steps typically gained as its prior: one
+        observation's worth, so its own first steps soon outweigh it."""
+        return RowState(gain=self.typical.gain, verified=self.typical.verified)
+
+    @staticmethod
+    def _choose(options, theta: float, st: RowState):
+        """The option expected to commit the most drafted tokens, cut where one more token stops paying
+        (chance < theta). A row that verified nothing for EXPLORE steps verifies the likeliest first token
+        of its options, so that a source judged hopeless (whose calibration nothing would update) gets
+        another chance: about 1/EXPLORE of one token's verify cost."""
+        best, best_value = ("none", NOTHING, None, torch.zeros(0), None), 0.0
+        first = []
+        for source, tokens, q, conf, table in options:
+            p = table.chances(conf)
+            keep = int((p >= theta).long().cumprod(0).sum())
+            first.append(float(p[0]))
+            if keep and float(p[:keep].sum()) > best_value:
+                best_value = float(p[:keep].sum())
+                best = (source, tokens[:keep], None if q is None else q[:, :keep], conf[:keep], table)
+        if best_value == 0.0 and options and st.idle >= EXPLORE:
+            source, tokens, q, conf, table = options[first.index(max(first))]
+            best = (source, tokens[:1], None if q is None else q[:, :1], conf[:1], table)
+        st.idle = 0 if best[0] != "none" else st.idle + 1
+        return best
 
     def _confidence(self, b: int, k: int, q: torch.Tensor | None) -> torch.Tensor:
         """The peak of the distribution each position was drafted from (never the sampled token's own q).
@@ -173,37 +245,31 @@ class AdaptiveProposer(Proposer):
         dist = q[0] if q is not None else torch.softmax(logits[b, :k].float(), -1)
         return dist.max(-1).values.float().cpu()
 
-    def _option(self, source, tokens, q, conf, theta):
-        """(expected drafted tokens accepted, the proposal cut where it stops paying, ...)."""
-        p = self.chances(source, conf)
-        keep = int((p >= theta).long().cumprod(0).sum())
-        value = float(p[:keep].sum())
-        return value, tokens[:keep], None if q is None else q[:, :keep], source, conf[:keep]
-
     def observe(self, rows, ks, n, draft_s: float, verify_s: float, verify_tokens: int) -> None:
         """After the verify: row b verified ks[b] drafted tokens and committed n[b]."""
         self.verify_cost.add(verify_tokens, verify_s)
         if self.drafted:
             self.draft_s = draft_s if self.draft_s is None else 0.9 * self.draft_s + 0.1 * draft_s
-        gained = []
-        for (source, conf), k, got in zip(self.last, ks, n, strict=True):
-            if source == "none" or not k:
-                continue
-            accepted = min(got - 1, k)
-            reached = min(accepted + 1, k)
-            hits, seen = self.calibration[source]
-            bins = (conf[:reached].clamp(0, 1) * BINS).long().clamp(max=BINS - 1)
-            hits.mul_(0.999).index_add_(0, bins, (torch.arange(reached) < accepted).float())
-            seen.mul_(0.999).index_add_(0, bins, torch.ones(reached))
-            if source == "dflash":
-                gained.append(accepted)
-        if self.drafted:  # the draft keeps its turn while it pays, else it waits 1, 2, 4, ... 64 steps
-            step_gain = sum(gained) / max(1, len(rows))
-            self.gain = step_gain if self.gain is None else 0.8 * self.gain + 0.2 * step_gain
-            used = [k for (source, _), k in zip(self.last, ks, strict=True) if source == "dflash"]
-            mean_k = sum(used) / len(used) if used else 0.0
-            self.verified = mean_k if self.verified is None else 0.8 * self.verified + 0.2 * mean_k
-            if self.wants_draft(len(rows)):
-                self.backoff = 1
-            else:
-                self.wait, self.backoff = self.backoff, min(64, 2 * self.backoff)
+        for (source, conf, table), k, got in zip(self.last, ks, n, strict=True):
+            if source != "none" and k:
+                table.update(conf, min(got - 1, k))
+        if not self.drafted:
+            return
+        # Every row saw the draft: each keeps its turn while the draft pays for it, else waits 1, 2, 4, ... 64.
+        for row, (source, _, _), k, got in zip(rows, self.last, ks, n, strict=True):
+            st = self.rows[row]
+            gain, used = (min(got - 1, k), k) if source == "dflash" else (0, 0)
+            st.steps += 1
+            _average(st, gain, used, max(0.2, 1 / (st.steps + 1)))
+            _average(self.typical, gain, used, 0.05)
+            if self.wants_draft(st, len(rows)):
+                st.wait, st.backoff = 0, 1
+            elif st.wait == 0:
+                st.wait, st.backoff = st.backoff, min(64, 2 * st.backoff)
+
+
+def _average(st: RowState, gain: float, verified: float, weight: float) -> None:
+    """Move st's gain and verified towards one draft step's, by `weight` (all the way when unset)."""
+    w = 1.0 if st.gain is None else weight
+    st.gain = gain if st.gain is None else (1 - w) * st.gain + w * gain
+    st.verified = verified if st.verified is None else (1 - w) * st.verified + w * verified

@@ -886,6 +886,24 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def render_markdown(r: dict) -> str:
+    """results.md: one section per part of the results, in reading order."""
+    parts = (
+        _md_header,
+        _md_summary,
+        _md_acceptance,
+        _md_cost,
+        _md_reference,
+        _md_mismatches,
+        _md_gsm,
+        _md_numerics,
+    )
+    lines = [line for part in parts for line in part(r)]
+    lines += ["Plots: speedup.png, acceptance_histogram.png, position_acceptance.png.", ""]
+    return "\n".join(lines)
+
+
+def _md_header(r: dict) -> list[str]:
+    """Title, command, machine, and notes on methods that are off or qualified."""
     cfg = r["config"]
     temp = cfg["sampling"]["temperature"]
     m = r["machine"]
@@ -910,6 +928,12 @@ def render_markdown(r: dict) -> str:
         lines += ["Notes on methods:", ""]
         lines += [f"- `{x['name']}`: {'unavailable: ' if not x['available'] else ''}{x['note']}" for x in off]
         lines.append("")
+    return lines
+
+
+def _md_summary(r: dict) -> list[str]:
+    """Per data set and pooled: tau, speed, speedup with intervals, TTFT, equality to plain."""
+    lines: list[str] = []
     for ds in [*r["datasets"], "all"]:
         rows = []
         for name, x in r["summary"][ds].items():
@@ -929,7 +953,12 @@ def render_markdown(r: dict) -> str:
         header = ["method", "tau [95% CI]", "decode tok/s", "ms/token", "speedup [95% CI]", "TTFT ms"]
         lines += _table([*header, "equal to plain"], rows)
         lines.append("")
-    lines += [
+    return lines
+
+
+def _md_acceptance(r: dict) -> list[str]:
+    """Acceptance-length histogram and per-position acceptance, pooled."""
+    lines = [
         "## Acceptance",
         "",
         "Acceptance-length histogram (steps committing 1, 2, ... tokens) and "
@@ -948,7 +977,12 @@ def render_markdown(r: dict) -> str:
                 ]
             )
     lines += _table(["method", "histogram (1..B)", "acceptance at position 1..B-1"], rows) + [""]
-    lines += [
+    return lines
+
+
+def _md_cost(r: dict) -> list[str]:
+    """The cost model: ideal against measured speedup."""
+    lines = [
         "## Cost model",
         "",
         "Measured here, between the same prompts, at each prompt's mean decoding context (means over the "
@@ -977,6 +1011,12 @@ def render_markdown(r: dict) -> str:
             )
     header = ["data set", "method", "c_step ms", "c_verify/c_step", "c_draft/c_step", "tau", "ideal"]
     lines += _table([*header, "measured", "efficiency", "loop overhead"], rows) + [""]
+    return lines
+
+
+def _md_reference(r: dict) -> list[str]:
+    """Our loop against the authors' and transformers' DFlash loops on the same draft."""
+    lines: list[str] = []
     if r["reference_comparison"]:
         lines += ["## Our loop vs the authors' loop and transformers' DFlash (same draft)", ""]
         rows = [
@@ -1007,6 +1047,12 @@ def render_markdown(r: dict) -> str:
             ],
             rows,
         ) + [""]
+    return lines
+
+
+def _md_mismatches(r: dict) -> list[str]:
+    """Greedy outputs that differ from plain decoding, with the logit margin there."""
+    lines: list[str] = []
     if "mismatches" in r:
         lines += ["## Greedy outputs that differ from plain decoding", ""]
         if not r["mismatches"]:
@@ -1032,6 +1078,12 @@ def render_markdown(r: dict) -> str:
             lines += _table(
                 ["method", "prompt", "first diff", "plain token", "method token", "margin"], rows
             ) + [""]
+    return lines
+
+
+def _md_gsm(r: dict) -> list[str]:
+    """gsm-symbolic final-answer accuracy per method."""
+    lines: list[str] = []
     if r["gsm_accuracy"]:
         lines += [
             "## gsm-symbolic final-answer accuracy",
@@ -1055,6 +1107,12 @@ def render_markdown(r: dict) -> str:
             ["method", "correct", "accuracy", "std. error", "truncated", "differs from plain"], rows
         )
         lines.append("")
+    return lines
+
+
+def _md_numerics(r: dict) -> list[str]:
+    """Greedy equality per dtype."""
+    lines: list[str] = []
     if "numerics" in r:
         n = r["numerics"]
         lines += [
@@ -1076,8 +1134,7 @@ def render_markdown(r: dict) -> str:
             rows.append([x["comparison"], f"{x['equal']}/{x['outputs']}", mean, ", ".join(each) or "-"])
         header = ["comparison", "equal outputs", "mean first divergence", "first divergence (margin)"]
         lines += _table(header, rows) + [""]
-    lines += ["Plots: speedup.png, acceptance_histogram.png, position_acceptance.png.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _colors(names: list[str]) -> dict:

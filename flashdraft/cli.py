@@ -225,7 +225,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashdraft", description=__doc__)
     p.add_argument("--version", action="version", version=f"flashdraft {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
+    for add in (_add_generate, _add_draft_verbs, _add_datagen, _add_heavy_verbs):
+        add(sub)
+    p.verbs = sub.choices
+    for verb in sub.choices.values():  # every verb's --help shows the defaults that mean something
+        _show_defaults(verb)
+    return p
 
+
+def _show_defaults(verb: argparse.ArgumentParser) -> None:
+    for a in verb._actions:
+        if (
+            a.option_strings
+            and not any(a.default is x for x in (None, False, argparse.SUPPRESS))
+            and "%(default)" not in (a.help or "")
+        ):
+            a.help = f"{a.help} (default: %(default)s)" if a.help else "default: %(default)s"
+
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text, speculatively when a draft is given")
     g.add_argument(
         "--target",
@@ -268,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
 
+
+def _add_draft_verbs(sub) -> None:
+    """init-draft, export, models and pack-data."""
     i = sub.add_parser("init-draft", help="write a randomly initialised draft shaped for a target")
     i.add_argument(
         "--target", required=True, help="built-in name, a .gguf file or a local HF model directory"
@@ -298,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
 
+    pk = sub.add_parser("pack-data", help="pack datagen JSONL files into one compressed .npz of token ids")
+    pk.add_argument("sources", nargs="+", help="datagen JSONL files")
+    pk.add_argument("--out", required=True, help="the .npz to write (train --data reads it)")
+    pk.set_defaults(func=cmd_pack_data)
+
+
+def _add_datagen(sub) -> None:
     d = sub.add_parser(
         "datagen", help="regenerate training responses with the target itself (JSONL, resumable)"
     )
@@ -341,11 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_datagen)
 
-    pk = sub.add_parser("pack-data", help="pack datagen JSONL files into one compressed .npz of token ids")
-    pk.add_argument("sources", nargs="+", help="datagen JSONL files")
-    pk.add_argument("--out", required=True, help="the .npz to write (train --data reads it)")
-    pk.set_defaults(func=cmd_pack_data)
 
+def _add_heavy_verbs(sub) -> None:
+    """train, bench and serve, whose options live beside their code."""
     from .train import add_arguments as add_train_arguments
 
     t = sub.add_parser(
@@ -370,16 +396,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
-    p.verbs = sub.choices
-    for verb in sub.choices.values():  # every verb's --help shows the defaults that mean something
-        for a in verb._actions:
-            if (
-                a.option_strings
-                and not any(a.default is x for x in (None, False, argparse.SUPPRESS))
-                and "%(default)" not in (a.help or "")
-            ):
-                a.help = f"{a.help} (default: %(default)s)" if a.help else "default: %(default)s"
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

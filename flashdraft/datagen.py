@@ -569,8 +569,9 @@ def _generate_endpoint(
 # -- the command ---------------------------------------------------------------------------------
 
 
-def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
-    """Regenerate the responses of `cfg.datasets` with the target into `cfg.out` (see the module doc)."""
+def _check_config(cfg: DatagenConfig) -> list[str]:
+    """Refuse bad settings before anything is loaded; resolve "auto" device and dtype (the meta file
+    records what actually ran). Returns the data set names."""
     if cfg.max_new_tokens < 1:
         raise DataGenError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.batch_size < 1:
@@ -590,6 +591,62 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
     datasets = [d.strip() for d in cfg.datasets if d.strip()]
     if not datasets:
         raise DataGenError("no data set given: pass --dataset NAME[,NAME] (see flashdraft.data.DATASETS)")
+    return datasets
+
+
+def _load_backend(cfg: DatagenConfig):
+    """(target or None for an endpoint, tokenizer, stop ids, chat template): datagen asks a chat model."""
+    if cfg.endpoint:
+        target = None
+        tokenizer, stop_ids = _load_tokenizer_only(cfg.target)
+    else:
+        from .models import load_target
+        from .target import cpu_has_fast_bf16
+
+        if cfg.dtype == "bfloat16" and cfg.device == "cpu" and not cpu_has_fast_bf16():
+            log.warning(
+                "flashdraft: this CPU has no native bfloat16 (no avx512_bf16 / amx_bf16): bf16 matmuls are "
+                "emulated, far slower than float32 here; pass --dtype float32 (or auto)"
+            )
+        target = load_target(cfg.target, cfg.dtype, cfg.device)
+        tokenizer, stop_ids = target.tokenizer, target.stop_ids
+    if tokenizer is None:
+        raise DataGenError(f"target {cfg.target!r} has no tokenizer: datagen needs one for the chat template")
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise DataGenError(
+            f"the tokenizer of {cfg.target!r} has no chat template: datagen asks the model as a chat "
+            "model, so use an instruction-tuned target (or add a chat_template to its tokenizer_config)"
+        )
+    return target, tokenizer, stop_ids, template
+
+
+def _meta(cfg: DatagenConfig, tokenizer, stop_ids, template, datasets: list[str]) -> dict:
+    """What the records were made with: a later run into the same file must match it (_check_meta)."""
+    return {
+        "format": FORMAT,
+        "target": _target_name(cfg.target),
+        "vocab_size": len(tokenizer),
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "chat_template_sha256": _sha256_text(template if isinstance(template, str) else json.dumps(template)),
+        "chat_template_kwargs": cfg.chat_template_kwargs or None,
+        "stop_ids": stop_ids,
+        "datasets": list(datasets),
+        "backend": "endpoint" if cfg.endpoint else "local",
+        "endpoint": cfg.endpoint,
+        "model": (cfg.model or cfg.target) if cfg.endpoint else None,
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": float(cfg.temperature),
+        "top_p": float(cfg.top_p),
+        "top_k": int(cfg.top_k),
+        "seed": cfg.seed,
+        "dtype": None if cfg.endpoint else cfg.dtype,
+    }
+
+
+def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
+    """Regenerate the responses of `cfg.datasets` with the target into `cfg.out` (see the module doc)."""
+    datasets = _check_config(cfg)
     out = Path(cfg.out)
     if out.is_dir():
         raise DataGenError(f"--out {out} is a directory: give a file name such as {out / 'data.jsonl'}")
@@ -607,51 +664,8 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
             )
         prompts, summary.duplicates = load_prompts(datasets, cfg.limit, cfg.seed)
 
-        if cfg.endpoint:
-            target = None
-            tokenizer, stop_ids = _load_tokenizer_only(cfg.target)
-        else:
-            from .models import load_target
-            from .target import cpu_has_fast_bf16
-
-            if cfg.dtype == "bfloat16" and cfg.device == "cpu" and not cpu_has_fast_bf16():
-                log.warning(
-                    "flashdraft: this CPU has no native bfloat16 (no avx512_bf16 / amx_bf16): bf16 matmuls are "
-                    "emulated, far slower than float32 here; pass --dtype float32 (or auto)"
-                )
-            target = load_target(cfg.target, cfg.dtype, cfg.device)
-            tokenizer, stop_ids = target.tokenizer, target.stop_ids
-        if tokenizer is None:
-            raise DataGenError(
-                f"target {cfg.target!r} has no tokenizer: datagen needs one for the chat template"
-            )
-        template = getattr(tokenizer, "chat_template", None)
-        if not template:
-            raise DataGenError(
-                f"the tokenizer of {cfg.target!r} has no chat template: datagen asks the model as a chat "
-                "model, so use an instruction-tuned target (or add a chat_template to its tokenizer_config)"
-            )
-        meta = {
-            "format": FORMAT,
-            "target": _target_name(cfg.target),
-            "vocab_size": len(tokenizer),
-            "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
-            "chat_template_sha256": _sha256_text(
-                template if isinstance(template, str) else json.dumps(template)
-            ),
-            "chat_template_kwargs": cfg.chat_template_kwargs or None,
-            "stop_ids": stop_ids,
-            "datasets": list(datasets),
-            "backend": "endpoint" if cfg.endpoint else "local",
-            "endpoint": cfg.endpoint,
-            "model": (cfg.model or cfg.target) if cfg.endpoint else None,
-            "max_new_tokens": cfg.max_new_tokens,
-            "temperature": float(cfg.temperature),
-            "top_p": float(cfg.top_p),
-            "top_k": int(cfg.top_k),
-            "seed": cfg.seed,
-            "dtype": None if cfg.endpoint else cfg.dtype,
-        }
+        target, tokenizer, stop_ids, template = _load_backend(cfg)
+        meta = _meta(cfg, tokenizer, stop_ids, template, datasets)
         if old_meta is not None:
             _check_meta(out, old_meta, meta)
             meta["datasets"] = list(dict.fromkeys(list(old_meta.get("datasets") or []) + list(datasets)))

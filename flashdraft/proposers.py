@@ -71,6 +71,10 @@ class NgramProposer(Proposer):
         self.max_ngram, self.min_ngram, self.block_size = max_ngram, min_ngram, block_size
 
     def propose_row(self, row, k):
+        return self.lookup(row, k)[0], None
+
+    def lookup(self, row: Row, k: int) -> tuple[torch.Tensor, int]:
+        """(up to k tokens, the length of the n-gram that matched; 0 and no tokens: no match)."""
         seq = torch.tensor(row.prompt + row.tokens)
         n_tok = seq.numel()
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
@@ -78,8 +82,8 @@ class NgramProposer(Proposer):
             hits = (windows == seq[-n:]).all(-1).nonzero()
             if hits.numel():
                 begin = int(hits[-1]) + n
-                return seq[begin : begin + k], None
-        return NOTHING, None
+                return seq[begin : begin + k], n
+        return NOTHING, 0
 
 
 class DFlashProposer(Proposer):

@@ -797,13 +797,11 @@ def serve(cfg: ServeConfig) -> None:
 
     from .draft import DFlashDraft
     from .models import load_target, local_dir
-    from .target import resolve_dtype
+    from .target import resolve_device, resolve_dtype
 
     if cfg.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be >= 1, got {cfg.max_batch_size}")
-    import torch
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    device = str(resolve_device(cfg.device))  # the one "auto" rule of every verb; refuses a missing GPU
     dtype = resolve_dtype(cfg.dtype, device)
     target = load_target(cfg.target, dtype, device)
     if target.tokenizer is None:

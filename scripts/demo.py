@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from flashdraft import DFlashDraft, GenerationConfig, generate, load_target
-from flashdraft.adaptive import make_proposer
+from flashdraft.adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
 from flashdraft.chat import chat_ids
 from flashdraft.cli import _TextStream
 from flashdraft.draft import init_draft_config
@@ -42,9 +42,11 @@ def main() -> int:
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
-        "--adaptive",
-        action="store_true",
-        help="DFlash and n-gram lookup behind the adaptive rule (draft or not, and where to cut, per step)",
+        "--speculation",
+        choices=SPECULATION,
+        default=DEFAULT_SPECULATION,
+        help="fixed blocks, or DFlash and n-gram lookup behind the adaptive rule (draft or not, and where to "
+        f"cut, per step) (default: {DEFAULT_SPECULATION})",
     )
     args = p.parse_args()
     torch.manual_seed(0)
@@ -56,11 +58,12 @@ def main() -> int:
         cfg = init_draft_config(target.model.config, 2, mask_token_id=16, block_size=16)
         draft, which = DFlashDraft(cfg).to(target.dtype), "RANDOM draft (no shipped draft: expect tau ~1)"
     block = min(args.block_size or CPU_BLOCK_SIZE, draft.config.block_size)
-    proposer = make_proposer(draft, target, speculation="adaptive" if args.adaptive else "fixed")
-    if args.adaptive:  # it cuts blocks itself: give it the draft's whole block
+    proposer = make_proposer(draft, target, speculation=args.speculation)
+    if args.speculation == "adaptive":  # it cuts blocks itself: give it the draft's whole block
         block = args.block_size or draft.config.block_size
     print(
-        f"{which}; {target.dtype} on {torch.get_num_threads()} threads; DFlash verifies blocks of {block}\n"
+        f"{which}; {target.dtype} on {torch.get_num_threads()} threads; {args.speculation} speculation, "
+        f"DFlash verifies blocks of up to {block}\n"
     )
     tok = target.tokenizer
     totals = {"plain": [0, 0.0], "dflash": [0, 0.0]}

@@ -68,16 +68,31 @@ BUGS = [
     (
         "the adaptive cut looks at the sampled tokens' own q (then the verified drafts are not q's samples)",
         "flashdraft/adaptive.py",
-        "                conf = self._confidence(b, k, q)",
-        "                conf = self._confidence(b, k, q) if q is None else q[0].gather(-1, tokens[:, None])[:, 0]",
+        '                options.append(("dflash", tokens, q, self._confidence(b, k, q), self.calibration))',
+        "                conf = self._confidence(b, k, q) if q is None else q[0].gather(-1, tokens[:, None])[:, 0]\n"
+        '                options.append(("dflash", tokens, q, conf, self.calibration))',
         "tests/test_adaptive.py::test_sampling_adaptive_is_exact",
     ),
     (
         "the adaptive proposer never skips the draft",
         "flashdraft/adaptive.py",
-        "        self.drafted = self.dflash is not None and self.wait == 0",
+        "        self.drafted = self.dflash is not None and any(s.wait == 0 for s in states)",
         "        self.drafted = self.dflash is not None",
         "tests/test_adaptive.py::test_a_useless_draft_is_mostly_skipped",
+    ),
+    (
+        "the adaptive draft-or-not state carries over from one request to the next",
+        "flashdraft/adaptive.py",
+        "        self.rows = {r: self.rows.get(r) or self._new_row() for r in rows}",
+        "        self.rows = {r: self.rows.get(r) or next(iter(self.rows.values()), None) or self._new_row() for r in rows}",
+        "tests/test_adaptive.py::test_draft_or_not_is_decided_per_request",
+    ),
+    (
+        "the adaptive proposer never verifies a source again once its chances fell below the cut",
+        "flashdraft/adaptive.py",
+        "        if best_value == 0.0 and options and st.idle >= EXPLORE:",
+        "        if False:",
+        "tests/test_adaptive.py::test_a_source_judged_hopeless_is_tried_again",
     ),
     (
         "the accepted-token counters count drafted tokens",
@@ -243,7 +258,7 @@ BUGS = [
     (
         "datagen does not record the chat template options (a file could mix modes)",
         "flashdraft/datagen.py",
-        '            "chat_template_kwargs": cfg.chat_template_kwargs or None,\n',
+        '        "chat_template_kwargs": cfg.chat_template_kwargs or None,\n',
         "",
         "tests/test_chat.py::test_datagen_renders_records_and_refuses_to_mix_modes",
     ),

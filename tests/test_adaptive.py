@@ -2,6 +2,7 @@
 sampling against exact enumeration), and its decisions follow the measured costs and acceptance: a
 useless draft is mostly skipped, a perfect proposer keeps drafting long blocks."""
 
+import math
 import random
 
 import numpy as np
@@ -21,7 +22,7 @@ from flashdraft import (
     generate,
     generate_batch,
 )
-from flashdraft.adaptive import AdaptiveProposer, LinearCost
+from flashdraft.adaptive import EXPLORE, AdaptiveProposer, Calibration, LinearCost, RowState
 
 
 @pytest.mark.parametrize("arch_name", ["llama", "gemma3"])
@@ -77,6 +78,54 @@ def test_a_perfect_proposer_keeps_drafting_long_blocks(tiny_llama):
     assert np.mean(res.acceptance_lengths[3:-1]) > 6  # once calibrated, nearly whole blocks
 
 
+class ConfidentOracle(OracleProposer):
+    """An oracle whose draft distributions peak at `confidence` (what the adaptive rule reads)."""
+
+    confidence = 0.5
+
+    def propose(self, rows, ks):
+        out = super().propose(rows, ks)
+        c, v = self.confidence, self.vocab
+        self.last_logits = torch.zeros(len(rows), max(ks), v)
+        self.last_logits[..., 0] = math.log(c * (v - 1) / (1 - c))  # softmax peak c
+        return out
+
+
+def test_draft_or_not_is_decided_per_request(tiny_llama):
+    """A request where the draft never pays (it backs off for up to 64 steps) leaves the next request, where
+    it pays, free to draft from its first step: the wait is the request's, not the proposer's."""
+    useless_prompt, good_prompt = [5, 6, 7], [9, 8, 7]
+    oracle = ConfidentOracle(
+        3, generate(tiny_llama, useless_prompt, None, GenerationConfig(80)).tokens, 128, random.Random(0)
+    )
+    oracle.rng.random, oracle.confidence = (lambda: 0.9), 0.15  # first drafted token always wrong, unsure
+    adaptive = AdaptiveProposer(oracle)
+    adaptive.block_size = 8
+    cfg = GenerationConfig(80, block_size=8)
+    generate(tiny_llama, useless_prompt, adaptive, cfg)
+    assert adaptive.stats["skipped_steps"] > 3 * adaptive.stats["draft_steps"]  # it backed off
+    truth = generate(tiny_llama, good_prompt, None, cfg).tokens
+    oracle.truth, oracle.rng.random, oracle.confidence = truth, (lambda: 0.0), 0.95  # always right, sure
+    skipped = adaptive.stats["skipped_steps"]
+    res = generate(tiny_llama, good_prompt, adaptive, cfg)
+    assert res.tokens == truth
+    assert res.acceptance_lengths[0] > 1 and adaptive.stats["skipped_steps"] == skipped
+
+
+def test_a_source_judged_hopeless_is_tried_again():
+    """Calibration learns only from verified tokens, so a source whose chances fell below the cut would never
+    be measured again; every EXPLORE idle steps the row verifies its likeliest first token instead."""
+    table = Calibration()
+    for _ in range(40):
+        table.update(torch.full((3,), 0.5), 0)  # three failures at the first token: hopeless
+    st = RowState()
+    option = ("ngram", torch.tensor([4, 5, 6]), None, torch.full((3,), 0.5), table)
+    picks = [AdaptiveProposer._choose([option], 0.1, st) for _ in range(2 * EXPLORE + 2)]
+    tried = [i for i, (source, tokens, *_) in enumerate(picks) if source != "none"]
+    assert tried == [EXPLORE, 2 * EXPLORE + 1]
+    assert picks[EXPLORE][1].tolist() == [4]  # one token, the cheapest measurement
+
+
 def test_linear_cost_fits_and_falls_back_to_its_prior():
     c = LinearCost()
     assert c.fit() is None
@@ -90,4 +139,4 @@ def test_linear_cost_fits_and_falls_back_to_its_prior():
     assert b == pytest.approx(0.1, rel=0.05) and a == pytest.approx(1.0, rel=0.05)
     with pytest.raises(ValueError, match="needs"):
         AdaptiveProposer()
-    assert torch.is_tensor(AdaptiveProposer(ngram=NgramProposer()).chances("ngram", torch.full((3,), 0.5)))
+    assert Calibration().chances(torch.full((3,), 0.5)).tolist() == [0.5, 0.25, 0.125]  # the prior
