@@ -3,7 +3,8 @@
     # once: the target's greedy answers to 8 prompts of each evaluation set, 256 new tokens
     python scripts/offline_tau.py --target smollm2-135m-instruct --refs runs/refs.jsonl --make-refs \
         --sets sharegpt-eval,mt-bench,humaneval,gsm-symbolic-eval --prompts 8 --max-new-tokens 256
-    # then, as often as you like: tau per set for each draft (a directory or a training checkpoint)
+    # then, as often as you like: tau per set for each draft (a directory or a training checkpoint); for
+    # SmolLM2 the references of the model card's table are committed: data/smollm2-135m-instruct/eval-refs-256.jsonl
     python scripts/offline_tau.py --target smollm2-135m-instruct --refs runs/refs.jsonl \
         --draft checkpoints/smollm2-135m-instruct-dflash,runs/x/checkpoints/step-00000600 [--real]
 
