@@ -36,7 +36,7 @@ from .sequence import Row
 BINS = 10
 EXPLORE = 16  # a row that verified nothing for this many steps verifies its likeliest drafted token
 SPECULATION = ("fixed", "adaptive")  # what `--speculation` offers
-DEFAULT_SPECULATION = "fixed"
+DEFAULT_SPECULATION = "adaptive"
 
 
 def make_proposer(

@@ -65,6 +65,10 @@ def cmd_generate(args) -> int:
     dtype = resolve_dtype(args.dtype, device)
     target = load_target(args.target, dtype, str(device))
     proposer = None
+    if (
+        args.speculation is None
+    ):  # adaptive cuts follow measured timings: a seed then fixes only the distribution
+        args.speculation = "fixed" if args.seed is not None and args.temperature > 0 else DEFAULT_SPECULATION
     if args.draft:
         draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=dtype, device=device)
         proposer = make_proposer(draft, target, args.proposal, args.speculation)
@@ -272,9 +276,10 @@ def _add_generate(sub) -> None:
     g.add_argument(
         "--speculation",
         choices=SPECULATION,
-        default=DEFAULT_SPECULATION,
-        help="fixed: verify every drafted token; adaptive: DFlash and n-gram lookup, cut and skipped by "
-        "measured costs (README, Adaptive speculation)",
+        default=None,
+        help=f"fixed: verify every drafted token; adaptive: DFlash and n-gram lookup, cut and skipped by "
+        f"measured costs (README, Adaptive speculation). Default: {DEFAULT_SPECULATION}, except fixed when "
+        "sampling with --seed (adaptive decisions follow timings, so the same seed would give other tokens)",
     )
     g.add_argument(
         "--dtype",

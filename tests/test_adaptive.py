@@ -51,6 +51,13 @@ def test_sampling_adaptive_is_exact():
     adaptive = AdaptiveProposer(DFlashProposer(draft, target))
     adaptive.verify_cost.add(1, 1.0)
     adaptive.verify_cost.add(4, 1.9)  # verifying costs: unlikely tokens are cut from the first step on
+    # A calibration that keeps confident positions (peak >= 0.3: chance 0.9) and cuts unsure ones (0.1),
+    # frozen, so the cut follows the confidences alone: a cut that looked at the sampled token's own q
+    # instead of the peak would keep only the likelier samples, a bias this test sees.
+    table = adaptive.calibration
+    table.hits, table.seen = torch.tensor([0.1] * 3 + [0.9] * 7), torch.ones(10)
+    table.update = lambda conf, accepted: None
+    adaptive.verify_cost.add = lambda n, seconds: None  # and a fixed threshold (0.3), whatever the timings
     counts = sample_joint(target, adaptive, cfg, 2_500, block=4)
     assert chi2_pvalue(counts, exact_joint(model, cfg)) > 1e-3
     assert adaptive.stats["dflash_rows"] > 0

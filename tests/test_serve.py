@@ -101,10 +101,11 @@ def setup(tmp_path_factory):
 
     port = _free_port()
     log = open(root / "server.log", "w")
+    # fixed speculation: every step drafts, so the sliding-window draft is exercised in every batch
     cmd = [sys.executable, "-m", "flashdraft", "serve", "--target", str(root / "target"), "--draft",
            str(root / "draft"), "--dtype", "float64", "--port", str(port), "--api-key", KEY,
            "--max-batch-size", "4", "--model-name", "tiny", "--max-body-bytes", "100000",
-           "--log-level", "warning"]  # fmt: skip
+           "--log-level", "warning", "--speculation", "fixed"]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
