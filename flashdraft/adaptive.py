@@ -226,9 +226,10 @@ class AdaptiveProposer(Proposer):
         for source, tokens, q, conf, table in options:
             p = table.chances(conf)
             keep = int((p >= theta).long().cumprod(0).sum())
+            value = float(p[:keep].sum())
             first.append(float(p[0]))
-            if keep and float(p[:keep].sum()) > best_value:
-                best_value = float(p[:keep].sum())
+            if keep and value > best_value:
+                best_value = value
                 best = (source, tokens[:keep], None if q is None else q[:, :keep], conf[:keep], table)
         if best_value == 0.0 and options and st.idle >= EXPLORE:
             source, tokens, q, conf, table = options[first.index(max(first))]

@@ -65,9 +65,9 @@ def cmd_generate(args) -> int:
     dtype = resolve_dtype(args.dtype, device)
     target = load_target(args.target, dtype, str(device))
     proposer = None
-    if (
-        args.speculation is None
-    ):  # adaptive cuts follow measured timings: a seed then fixes only the distribution
+    # Adaptive cuts follow measured timings, so with them a seed fixes only the distribution: seeded sampling
+    # runs fixed blocks unless asked otherwise.
+    if args.speculation is None:
         args.speculation = "fixed" if args.seed is not None and args.temperature > 0 else DEFAULT_SPECULATION
     if args.draft:
         draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=dtype, device=device)
