@@ -187,6 +187,7 @@ def cmd_datagen(args) -> int:
         top_k=args.top_k,
         seed=args.seed,
         limit=args.limit,
+        max_prompt_tokens=args.max_prompt_tokens,
         endpoint=args.endpoint,
         model=args.model,
         dtype=args.dtype,
@@ -357,6 +358,13 @@ def _add_datagen(sub) -> None:
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
     d.add_argument("--seed", type=int, default=0, help="sampling seed; also picks the gsm-symbolic problems")
     d.add_argument("--limit", type=int, default=None, help="at most N prompts per data set")
+    d.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="skip prompts longer than N tokens (chat template included): long prompts cost prefill "
+        "time and memory for the same answer tokens",
+    )
     d.add_argument(
         "--endpoint", help="URL of an OpenAI-compatible server (vLLM, SGLang, ...) to generate with"
     )

@@ -75,6 +75,7 @@ class DatagenConfig:
     top_k: int = 0
     seed: int = 0
     limit: int | None = None
+    max_prompt_tokens: int | None = None  # skip longer prompts: short ones make tokens per second
     endpoint: str | None = None
     model: str | None = None  # the model name sent to the endpoint (default: the target name)
     dtype: str = "auto"
@@ -94,6 +95,7 @@ class DatagenSummary:
     stop: int = 0
     length: int = 0
     too_long: int = 0  # prompts that leave no room for max_new_tokens in the model's context
+    over_cap: int = 0  # prompts longer than --max-prompt-tokens
     duplicates: int = 0  # the same id in two of the requested data sets
     repaired_bytes: int = 0  # partial last line dropped
     response_tokens: int = 0
@@ -107,6 +109,8 @@ class DatagenSummary:
         extra = [f"{self.skipped} already done"]
         if self.too_long:
             extra.append(f"{self.too_long} prompts too long, skipped")
+        if self.over_cap:
+            extra.append(f"{self.over_cap} prompts over --max-prompt-tokens, skipped")
         if self.duplicates:
             extra.append(f"{self.duplicates} duplicate ids across data sets")
         if self.repaired_bytes:
@@ -576,6 +580,8 @@ def _check_config(cfg: DatagenConfig) -> list[str]:
         raise DataGenError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.batch_size < 1:
         raise DataGenError(f"--batch-size must be >= 1, got {cfg.batch_size}")
+    if cfg.max_prompt_tokens is not None and cfg.max_prompt_tokens < 1:
+        raise DataGenError(f"--max-prompt-tokens must be >= 1, got {cfg.max_prompt_tokens}")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise DataGenError("need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
 
@@ -683,6 +689,9 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
         ready = []
         for p in todo:
             p.prompt_ids = chat_ids(tokenizer, p.messages, cfg.chat_template_kwargs)
+            if cfg.max_prompt_tokens is not None and len(p.prompt_ids) > cfg.max_prompt_tokens:
+                summary.over_cap += 1
+                continue
             if max_len is not None and len(p.prompt_ids) + cfg.max_new_tokens > max_len:
                 summary.too_long += 1
                 continue

@@ -121,6 +121,19 @@ def test_records_are_well_formed_and_batched_greedy_equals_unbatched(tiny, tmp_p
     assert meta["max_new_tokens"] == 20 and meta["datasets"] == ["humaneval"] and meta["backend"] == "local"
 
 
+def test_max_prompt_tokens_skips_long_prompts_and_counts_them(tiny, tmp_path):
+    d, _, tok, _ = tiny
+    lengths = sorted(len(_prompt_ids(tok, ex)) for ex in load_dataset("humaneval", limit=8))
+    cap = lengths[3]  # the four shortest prompts (and any as long as the fourth) pass
+    out = tmp_path / "short.jsonl"
+    s = run_datagen(_cfg(d, out, max_new_tokens=4, max_prompt_tokens=cap))
+    kept = [len(r["prompt_ids"]) for r in read_records(out, vocab_size=VOCAB)]
+    assert kept and max(kept) <= cap and s.written == sum(n <= cap for n in lengths)
+    assert s.over_cap == 8 - s.written > 0 and "over --max-prompt-tokens" in s.line()
+    with pytest.raises(DataGenError, match="--max-prompt-tokens must be >= 1"):
+        run_datagen(_cfg(d, tmp_path / "z.jsonl", max_prompt_tokens=0))
+
+
 def test_cut_response():
     assert cut_response([5, 6, 2, 7, 2], [2, 9]) == ([5, 6, 2], "stop")
     assert cut_response([5, 6, 7], [2]) == ([5, 6, 7], "length")
