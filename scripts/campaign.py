@@ -43,6 +43,8 @@ def add(card: Path, run: Path, sitting: int, threads: int, note: str) -> list[di
                     "tau": m["tau"],
                     "sets": taus,
                     "tokens": m.get("eval_tokens"),
+                    # "offline": the walk over committed references (--eval-refs); "loop": the real decode loop
+                    "protocol": "offline" if "anchors" in m else "loop",
                     "note": note,
                 }
             )
@@ -60,10 +62,23 @@ def plot(card: Path) -> Path:
     rows = read_rows(card / "campaign.jsonl")
     fig, ax = plt.subplots(figsize=(7, 4))
     sets = sorted({s for r in rows for s in r["sets"]})
-    for name in sets:
-        pts = [(r["hours"], r["sets"][name]) for r in rows if name in r["sets"]]
-        ax.plot(*zip(*pts, strict=True), marker=".", linewidth=1, label=name)
-    ax.plot([r["hours"] for r in rows], [r["tau"] for r in rows], marker="o", color="k", label="all sets")
+    colours = {name: f"C{i}" for i, name in enumerate(sets)}
+    styles = {
+        "loop": ("-", "o", "real loop, 2 prompts x 48 tokens per set"),
+        "offline": ("--", "s", "offline walk, 8 prompts x 256 tokens per set"),
+    }
+    labelled: set[str] = set()  # one legend entry per set, whichever protocol draws it first
+    for protocol, (line, mark, what) in styles.items():
+        part = [r for r in rows if r.get("protocol", "loop") == protocol]
+        if not part:
+            continue
+        for name in sets:
+            pts = [(r["hours"], r["sets"][name]) for r in part if name in r["sets"]]
+            label = None if name in labelled else name
+            labelled.add(name)
+            ax.plot(*zip(*pts, strict=True), line, marker=".", linewidth=1, color=colours[name], label=label)
+        hours, taus = [r["hours"] for r in part], [r["tau"] for r in part]
+        ax.plot(hours, taus, line, marker=mark, color="k", label=f"all sets ({what})")
     for s in sorted({r["sitting"] for r in rows})[1:]:
         ax.axvline(min(r["hours"] for r in rows if r["sitting"] == s), color="0.8", linewidth=0.8)
     ax.set(xlabel="training hours (2-core machine alone)", ylabel="held-out tau (greedy)")
