@@ -1,13 +1,17 @@
 """Adaptive speculation: each step, whether to draft at all and how many drafted tokens to verify, chosen for
 the most committed tokens per second on this machine, with n-gram lookup as a free second proposer.
 
-Costs are measured, not assumed: a target forward over n tokens (all rows together) takes a + b*n seconds,
-fitted to the engine's own timings, and a draft call takes d. Acceptance is learned as it happens: the
+Costs are measured, not assumed: a verify forward over n tokens (all rows together) takes a + b*n seconds,
+fitted to the engine's own timings of speculative steps; a plain step (one token per row) is timed apart,
+since going from one token per row to a few costs more than b on CPUs (matrix-vector to matrix-matrix
+kernels); a draft call takes d. Acceptance is learned as it happens: the
 draft's confidence at a block position (the peak of its distribution there) is mapped to the chance that
 the verifier accepts that position, given it reached it, by a calibration table per confidence bin.
 
 - Cut: drafted token i is verified while the chance that tokens 1..i are all accepted, P_i, is worth its
-  verify cost: P_i >= b * R, where R = B / (a + b*B) is the plain decoding rate of the B running rows.
+  verify cost: P_i >= b * R, where R = B / plain(B) is the plain decoding rate of the B running rows. The
+  step as a whole must then beat a plain step: (B + expected accepted) / (a + b * block tokens) >= R, else
+  it verifies nothing (a row exploring, below, still verifies its one token).
 - Draft or not, per request: a draft step pays for a row when it is expected to commit more per second
   than a plain step; the running mean gain of the row's past draft steps decides. When it does not pay,
   the row waits (plain, or n-gram where the context repeats) and tries the draft again after 1, 2, 4,
@@ -16,7 +20,8 @@ the verifier accepts that position, given it reached it, by a calibration table 
   make the next one (code, maths) timid. What is a property of the
   machine and the draft (costs, the draft's calibration) is kept across requests; n-gram lookup's
   calibration is the request's own (whether a context repeats is the request's nature), its confidence
-  the length of the n-gram that matched.
+  the length of the n-gram that matched, and it starts from what n-gram lookup achieved across requests,
+  worth two observations per confidence bin.
 - Explore: a row that verified nothing for EXPLORE steps verifies the likeliest first token on offer, so a
   source judged hopeless is measured again (calibration only learns from what is verified).
 
@@ -34,6 +39,7 @@ from .proposers import NOTHING, DFlashProposer, NgramProposer, Proposer
 from .sequence import Row
 
 BINS = 10
+NONE = ("none", NOTHING, None, torch.zeros(0), None, 0.0, False)  # _choose's pick when nothing pays
 EXPLORE = 16  # a row that verified nothing for this many steps verifies its likeliest drafted token
 SPECULATION = ("fixed", "adaptive")  # what `--speculation` offers
 DEFAULT_SPECULATION = "adaptive"
@@ -86,8 +92,10 @@ class Calibration:
     """Per confidence bin, the chance that the verifier accepts a drafted token it reached: (accepted,
     reached) counts that decay as new ones come, from a prior of 1 in 2."""
 
-    def __init__(self):
-        self.hits, self.seen = torch.ones(BINS), torch.full((BINS,), 2.0)
+    def __init__(self, prior: Calibration | None = None, weight: float = 2.0):
+        """Chances start at 1 in 2, or at `prior`'s, worth `weight` observations per bin."""
+        rate = torch.full((BINS,), 0.5) if prior is None else prior.hits / prior.seen
+        self.hits, self.seen = rate * weight, torch.full((BINS,), weight)
 
     @staticmethod
     def bins(conf: torch.Tensor) -> torch.Tensor:
@@ -131,9 +139,11 @@ class AdaptiveProposer(Proposer):
         self.dflash, self.ngram = dflash, ngram
         self.block_size = max(p.block_size for p in (dflash, ngram) if p is not None)
         self.feature_layers = dflash.feature_layers if dflash is not None else None
-        self.verify_cost = LinearCost()
+        self.verify_cost = LinearCost()  # speculative verify forwards
+        self.plain_cost = LinearCost()  # steps that verified no proposal: one token per row
         self.draft_s: float | None = None  # seconds of one draft call (EMA)
         self.calibration = Calibration()  # the draft's, across requests (n-gram lookup's is per request)
+        self.ngram_typical = Calibration()  # n-gram lookup's across requests: a new request's prior
         self.rows: dict[Row, RowState] = {}  # the running rows only
         self.typical: RowState = RowState()  # gain and verified of all requests (slow EMA): a new one's prior
         self.last: list[tuple[str, torch.Tensor, Calibration | None]] = []  # per row: what it verified
@@ -160,29 +170,47 @@ class AdaptiveProposer(Proposer):
 
     # -- the rule ---------------------------------------------------------------------------------
 
+    def costs(self, rows: int) -> tuple[float, float, float] | None:
+        """(seconds of a plain step of `rows` rows, a, b of a speculative verify), or None before any timing.
+        What is not measured yet comes from what is."""
+        spec, plain = self.verify_cost.fit(), self.plain_cost.fit()
+        if spec is None and plain is None:
+            return None
+        a, b = spec or plain
+        return (plain[0] + plain[1] * rows if plain else a + b * rows), a, b
+
     def threshold(self, rows: int) -> float:
         """The chance of acceptance one more verified token must have: b * (plain rate of the batch)."""
-        fit = self.verify_cost.fit()
-        if fit is None:
+        costs = self.costs(rows)
+        if costs is None:
             return 0.0
-        a, b = fit
-        return b * rows / (a + b * rows)
+        plain, _, b = costs
+        return b * rows / plain
+
+    def pays(self, rows: int, gain: float, tokens: int) -> bool:
+        """Whether a verify of `tokens` tokens for `rows` rows, expected to accept `gain` drafted tokens,
+        commits more per second than a plain step (what the draft cost is already spent)."""
+        costs = self.costs(rows)
+        if costs is None:
+            return True
+        plain, a, b = costs
+        return (rows + gain) / (a + b * tokens) >= rows / plain
 
     def wants_draft(self, state: RowState, rows: int) -> bool:
         """Whether draft steps are expected to commit more per second than plain ones, for a row whose
         neighbours fare as it does."""
         if self.dflash is None:
             return False
-        fit = self.verify_cost.fit()
-        if state.gain is None or self.draft_s is None or fit is None:
+        costs = self.costs(rows)
+        if state.gain is None or self.draft_s is None or costs is None:
             return True  # nothing measured yet
-        a, b = fit
-        plain = a + b * rows
+        plain, a, b = costs
         spec = self.draft_s + a + b * rows * (1 + state.verified)
         return (1 + state.gain) / spec > 1 / plain
 
     def propose(self, rows, ks):
-        self.rows = {r: self.rows.get(r) or self._new_row() for r in rows}  # by Row: ids may be reused
+        batch = len(rows)  # a new request's prior depends on the batch it joins
+        self.rows = {r: self.rows.get(r) or self._new_row(batch) for r in rows}  # by Row: ids may be reused
         states = list(self.rows.values())
         self.drafted = self.dflash is not None and any(s.wait == 0 for s in states)
         for s in states:
@@ -192,7 +220,7 @@ class AdaptiveProposer(Proposer):
             ng = [self.ngram.lookup(r, k) if k else (NOTHING, 0) for r, k in zip(rows, ks, strict=True)]
         df = self.dflash.propose(rows, ks) if self.drafted else None
         theta = self.threshold(len(rows))
-        out, self.last = [], []
+        picks = []
         for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
             st, options = self.rows[row], []
             if ng is not None and len(ng[b][0]):
@@ -202,7 +230,13 @@ class AdaptiveProposer(Proposer):
             if df is not None and k:
                 tokens, q = df[b]
                 options.append(("dflash", tokens, q, self._confidence(b, k, q), self.calibration))
-            source, tokens, q, conf, table = self._choose(options, theta, st)
+            picks.append(self._choose(options, theta, st))
+        longest = max(len(p[1]) for p in picks)
+        if longest and not self.pays(len(rows), sum(p[5] for p in picks), len(rows) * (1 + longest)):
+            picks = [p if p[6] else NONE for p in picks]  # a plain step, but for rows that explore
+        out, self.last = [], []
+        for row, (source, tokens, q, conf, table, _, _) in zip(rows, picks, strict=True):
+            self._settle(self.rows[row], source)
             if source != "none":
                 self.stats[f"{source}_rows"] += 1
             out.append((tokens, q))
@@ -210,32 +244,51 @@ class AdaptiveProposer(Proposer):
         self.stats["draft_steps" if self.drafted else "skipped_steps"] += 1
         return out
 
-    def _new_row(self) -> RowState:
+    def _new_row(self, rows: int) -> RowState:
         """A request starts ready to draft, with what draft steps typically gained as its prior: one
-        observation's worth, so its own first steps soon outweigh it."""
-        return RowState(gain=self.typical.gain, verified=self.typical.verified)
+        observation's worth, so its own first steps soon outweigh it. Where the draft typically does not
+        pay, a first step that confirms it waits EXPLORE steps, not 1, 2, 4, ...: a short chat request
+        would otherwise spend several draft calls to learn what the requests before it showed. Its n-gram
+        calibration starts from all requests' (two observations per bin)."""
+        st = RowState(
+            gain=self.typical.gain, verified=self.typical.verified, ngram=Calibration(self.ngram_typical)
+        )
+        if st.gain is not None and not self.wants_draft(st, rows):
+            st.backoff = EXPLORE
+        return st
 
     @staticmethod
     def _choose(options, theta: float, st: RowState):
         """The option expected to commit the most drafted tokens, cut where one more token stops paying
-        (chance < theta). A row that verified nothing for EXPLORE steps verifies the likeliest first token
-        of its options, so that a source judged hopeless (whose calibration nothing would update) gets
-        another chance: about 1/EXPLORE of one token's verify cost."""
-        best, best_value = ("none", NOTHING, None, torch.zeros(0), None), 0.0
-        first = []
+        (chance < theta): (source, tokens, q, confidences, calibration, expected accepted, exploring).
+        A row that verified nothing for EXPLORE steps verifies the likeliest first token of its options,
+        so that a source judged hopeless (whose calibration nothing would update) gets another chance:
+        about 1/EXPLORE of one token's verify cost."""
+        best, first = NONE, []
         for source, tokens, q, conf, table in options:
             p = table.chances(conf)
             keep = int((p >= theta).long().cumprod(0).sum())
             value = float(p[:keep].sum())
             first.append(float(p[0]))
-            if keep and value > best_value:
-                best_value = value
-                best = (source, tokens[:keep], None if q is None else q[:, :keep], conf[:keep], table)
-        if best_value == 0.0 and options and st.idle >= EXPLORE:
+            if keep and value > best[5]:
+                best = (
+                    source,
+                    tokens[:keep],
+                    None if q is None else q[:, :keep],
+                    conf[:keep],
+                    table,
+                    value,
+                    False,
+                )
+        if best[5] == 0.0 and options and st.idle >= EXPLORE:
             source, tokens, q, conf, table = options[first.index(max(first))]
-            best = (source, tokens[:1], None if q is None else q[:, :1], conf[:1], table)
-        st.idle = 0 if best[0] != "none" else st.idle + 1
+            best = (source, tokens[:1], None if q is None else q[:, :1], conf[:1], table, max(first), True)
         return best
+
+    @staticmethod
+    def _settle(st: RowState, source: str) -> None:
+        """The row's idle count after the step verified `source` ("none": nothing)."""
+        st.idle = 0 if source != "none" else st.idle + 1
 
     def _confidence(self, b: int, k: int, q: torch.Tensor | None) -> torch.Tensor:
         """The peak of the distribution each position was drafted from (never the sampled token's own q).
@@ -248,12 +301,14 @@ class AdaptiveProposer(Proposer):
 
     def observe(self, rows, ks, n, draft_s: float, verify_s: float, verify_tokens: int) -> None:
         """After the verify: row b verified ks[b] drafted tokens and committed n[b]."""
-        self.verify_cost.add(verify_tokens, verify_s)
+        (self.plain_cost if verify_tokens == len(rows) else self.verify_cost).add(verify_tokens, verify_s)
         if self.drafted:
             self.draft_s = draft_s if self.draft_s is None else 0.9 * self.draft_s + 0.1 * draft_s
         for (source, conf, table), k, got in zip(self.last, ks, n, strict=True):
             if source != "none" and k:
                 table.update(conf, min(got - 1, k))
+                if source == "ngram":
+                    self.ngram_typical.update(conf, min(got - 1, k))
         if not self.drafted:
             return
         # Every row saw the draft: each keeps its turn while the draft pays for it, else waits 1, 2, 4, ... 64.

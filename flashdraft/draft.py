@@ -37,11 +37,20 @@ class DraftError(ValueError):
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """Spread `num_features` taps from shallow to deep, skipping the first and the last 3 layers."""
+    """Spread `num_features` taps from shallow to deep, skipping the first and the last 3 layers (the
+    published drafts' rule). A target too shallow for that (fewer than num_features + 3 layers, where the
+    rule repeats layers or runs below layer 0) gets its taps spread over all of its layers instead."""
     if num_features < 1:
         raise DraftError(f"need at least one target layer to read features from, got {num_features}")
+    if num_features > num_target_layers:
+        raise DraftError(
+            f"{num_features} target features asked of a target with {num_target_layers} layers: pass "
+            f"--num-features {num_target_layers} or fewer"
+        )
     if num_features == 1:
         return [num_target_layers // 2]
+    if num_target_layers < num_features + 3:
+        return [round(i * (num_target_layers - 1) / (num_features - 1)) for i in range(num_features)]
     return [int(round(1 + i * (num_target_layers - 4) / (num_features - 1))) for i in range(num_features)]
 
 

@@ -57,10 +57,12 @@ def test_sampling_adaptive_is_exact():
     table = adaptive.calibration
     table.hits, table.seen = torch.tensor([0.1] * 3 + [0.9] * 7), torch.ones(10)
     table.update = lambda conf, accepted: None
-    adaptive.verify_cost.add = lambda n, seconds: None  # and a fixed threshold (0.3), whatever the timings
+    # and a fixed threshold (0.3), whatever the timings: plain steps timed on this tiny model would make
+    # every verify look dear and leave the draft unused
+    adaptive.verify_cost.add = adaptive.plain_cost.add = lambda n, seconds: None
     counts = sample_joint(target, adaptive, cfg, 2_500, block=4)
     assert chi2_pvalue(counts, exact_joint(model, cfg)) > 1e-3
-    assert adaptive.stats["dflash_rows"] > 0
+    assert adaptive.stats["dflash_rows"] > 1000  # the draft was verified in most requests
 
 
 def test_a_useless_draft_is_mostly_skipped(tiny_llama):
@@ -127,7 +129,10 @@ def test_a_source_judged_hopeless_is_tried_again():
         table.update(torch.full((3,), 0.5), 0)  # three failures at the first token: hopeless
     st = RowState()
     option = ("ngram", torch.tensor([4, 5, 6]), None, torch.full((3,), 0.5), table)
-    picks = [AdaptiveProposer._choose([option], 0.1, st) for _ in range(2 * EXPLORE + 2)]
+    picks = []
+    for _ in range(2 * EXPLORE + 2):
+        picks.append(AdaptiveProposer._choose([option], 0.1, st))
+        AdaptiveProposer._settle(st, picks[-1][0])  # what the step does once it verified the pick
     tried = [i for i, (source, tokens, *_) in enumerate(picks) if source != "none"]
     assert tried == [EXPLORE, 2 * EXPLORE + 1]
     assert picks[EXPLORE][1].tolist() == [4]  # one token, the cheapest measurement
@@ -147,3 +152,57 @@ def test_linear_cost_fits_and_falls_back_to_its_prior():
     with pytest.raises(ValueError, match="needs"):
         AdaptiveProposer()
     assert Calibration().chances(torch.full((3,), 0.5)).tolist() == [0.5, 0.25, 0.125]  # the prior
+
+
+@pytest.mark.parametrize("jump", [True, False])
+def test_a_step_that_does_not_beat_a_plain_step_verifies_nothing(tiny_llama, monkeypatch, jump):
+    """On CPUs a verify of two tokens can cost far more than a plain step of one (matrix-vector kernels give
+    way to matrix-matrix ones), more than a + b*n fitted to the speculative steps says: the plain step is
+    timed apart, and a step whose expected tokens per second fall below it verifies nothing."""
+    monkeypatch.setattr(Calibration, "update", lambda self, conf, accepted: None)  # chances stay 0.3
+    adaptive = AdaptiveProposer(None, NgramProposer())
+    adaptive.ngram_typical.hits = adaptive.ngram_typical.seen * 0.3
+    adaptive.plain_cost.add(1, 1.0)
+    a = 1.5 if jump else 1.0  # one token per row: 1.0 s; speculative verifies: a + 0.01 s per token
+    for n in (2, 10):
+        adaptive.verify_cost.add(n, a + 0.01 * n)
+    adaptive.plain_cost.add = adaptive.verify_cost.add = lambda n, seconds: None
+    res = generate(tiny_llama, [5, 6, 7, 8] * 4, adaptive, GenerationConfig(64))
+    used, steps = adaptive.stats["ngram_rows"], len(res.acceptance_lengths)
+    if jump:  # (1 + 0.3 + 0.09 + ...) / 1.5 < 1 / 1.0: only the exploring steps verify
+        assert used <= steps // EXPLORE + 1, (used, steps)
+    else:
+        assert used > steps // 2, (used, steps)
+
+
+def test_ngram_calibration_starts_from_all_requests():
+    """Whether a context repeats is a request's own nature, but a new request starts from what n-gram lookup
+    achieved across requests (worth two observations), not from 1 in 2: chat after chat starts timid."""
+    adaptive = AdaptiveProposer(None, NgramProposer())
+    conf = torch.full((3,), 0.5)
+    for _ in range(30):
+        adaptive.ngram_typical.update(conf, 0)
+    fresh = adaptive._new_row(1).ngram
+    assert fresh.chances(conf)[0] < 0.1
+    fresh.update(conf, 3)  # the request's own successes soon outweigh the prior
+    fresh.update(conf, 3)
+    assert fresh.chances(conf)[0] > 0.5
+
+
+def test_where_the_draft_does_not_pay_a_new_request_backs_off_at_once(tiny_llama):
+    """A request still drafts its first step (the test above), but where the draft typically does not pay,
+    one failure sends it EXPLORE steps away rather than through waits of 1, 2, 4, ...: a short chat request
+    after others would spend several draft calls to learn what they showed."""
+    prompt = [5, 6, 7]
+    oracle = ConfidentOracle(
+        3, generate(tiny_llama, prompt, None, GenerationConfig(80)).tokens, 128, random.Random(0)
+    )
+    oracle.rng.random, oracle.confidence = (lambda: 0.9), 0.15  # first drafted token always wrong, unsure
+    adaptive = AdaptiveProposer(oracle)
+    adaptive.block_size = 8
+    calls = []
+    for _ in range(2):
+        before = adaptive.stats["draft_steps"]
+        generate(tiny_llama, prompt, adaptive, GenerationConfig(80, block_size=8))
+        calls.append(adaptive.stats["draft_steps"] - before)
+    assert calls[0] >= 6 and calls[1] <= 3, calls  # 1, 2, 4, ... 64 steps apart; then 16, 32

@@ -28,10 +28,20 @@ from flashdraft.sequence import Row
         (30, 5, [1, 8, 14, 20, 27]),
         (30, 1, [15]),
         (28, 3, [1, 13, 25]),
+        (8, 5, [1, 2, 3, 4, 5]),  # the published rule, down to the shallowest target it serves
+        (2, 2, [0, 1]),  # tiny targets: spread over all layers, never layer -1 nor one layer twice
+        (4, 2, [0, 3]),
+        (6, 5, [0, 1, 2, 4, 5]),
     ],
 )
 def test_default_target_layer_ids(layers, n, expected):
-    assert default_target_layer_ids(layers, n) == expected
+    ids = default_target_layer_ids(layers, n)
+    assert ids == expected and len(set(ids)) == n and 0 <= min(ids) and max(ids) < layers
+
+
+def test_more_features_than_target_layers_is_a_clear_error():
+    with pytest.raises(DraftError, match="--num-features 2 or fewer"):
+        default_target_layer_ids(2, 3)
 
 
 def published_dir(
