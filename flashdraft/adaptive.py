@@ -32,6 +32,7 @@ distributions (their peaks), never on the tokens sampled from them nor on the ta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -39,7 +40,6 @@ from .proposers import NOTHING, DFlashProposer, NgramProposer, Proposer
 from .sequence import Row
 
 BINS = 10
-NONE = ("none", NOTHING, None, torch.zeros(0), None, 0.0, False)  # _choose's pick when nothing pays
 EXPLORE = 16  # a row that verified nothing for this many steps verifies its likeliest drafted token
 SPECULATION = ("fixed", "adaptive")  # what `--speculation` offers
 DEFAULT_SPECULATION = "adaptive"
@@ -58,6 +58,21 @@ def make_proposer(
     if speculation == "fixed":
         return dflash
     return AdaptiveProposer(dflash, NgramProposer(block_size=dflash.block_size))
+
+
+class Pick(NamedTuple):
+    """What a row verifies this step: `tokens` from `source` ("none": nothing), cut to what pays."""
+
+    source: str
+    tokens: torch.Tensor
+    q: torch.Tensor | None
+    conf: torch.Tensor  # the confidences of the tokens kept
+    table: Calibration | None  # the calibration that learns from them
+    value: float = 0.0  # expected accepted tokens
+    exploring: bool = False
+
+
+NONE = Pick("none", NOTHING, None, torch.zeros(0), None)
 
 
 class LinearCost:
@@ -231,16 +246,16 @@ class AdaptiveProposer(Proposer):
                 tokens, q = df[b]
                 options.append(("dflash", tokens, q, self._confidence(b, k, q), self.calibration))
             picks.append(self._choose(options, theta, st))
-        longest = max(len(p[1]) for p in picks)
-        if longest and not self.pays(len(rows), sum(p[5] for p in picks), len(rows) * (1 + longest)):
-            picks = [p if p[6] else NONE for p in picks]  # a plain step, but for rows that explore
+        longest = max(len(p.tokens) for p in picks)
+        if longest and not self.pays(len(rows), sum(p.value for p in picks), len(rows) * (1 + longest)):
+            picks = [p if p.exploring else NONE for p in picks]  # a plain step, but for rows that explore
         out, self.last = [], []
-        for row, (source, tokens, q, conf, table, _, _) in zip(rows, picks, strict=True):
-            self._settle(self.rows[row], source)
-            if source != "none":
-                self.stats[f"{source}_rows"] += 1
-            out.append((tokens, q))
-            self.last.append((source, conf, table))
+        for row, p in zip(rows, picks, strict=True):
+            self._settle(self.rows[row], p.source)
+            if p.source != "none":
+                self.stats[f"{p.source}_rows"] += 1
+            out.append((p.tokens, p.q))
+            self.last.append((p.source, p.conf, p.table))
         self.stats["draft_steps" if self.drafted else "skipped_steps"] += 1
         return out
 
@@ -260,7 +275,7 @@ class AdaptiveProposer(Proposer):
     @staticmethod
     def _choose(options, theta: float, st: RowState):
         """The option expected to commit the most drafted tokens, cut where one more token stops paying
-        (chance < theta): (source, tokens, q, confidences, calibration, expected accepted, exploring).
+        (chance < theta).
         A row that verified nothing for EXPLORE steps verifies the likeliest first token of its options,
         so that a source judged hopeless (whose calibration nothing would update) gets another chance:
         about 1/EXPLORE of one token's verify cost."""
@@ -270,19 +285,15 @@ class AdaptiveProposer(Proposer):
             keep = int((p >= theta).long().cumprod(0).sum())
             value = float(p[:keep].sum())
             first.append(float(p[0]))
-            if keep and value > best[5]:
-                best = (
-                    source,
-                    tokens[:keep],
-                    None if q is None else q[:, :keep],
-                    conf[:keep],
-                    table,
-                    value,
-                    False,
+            if keep and value > best.value:
+                best = Pick(
+                    source, tokens[:keep], None if q is None else q[:, :keep], conf[:keep], table, value
                 )
-        if best[5] == 0.0 and options and st.idle >= EXPLORE:
+        if best.value == 0.0 and options and st.idle >= EXPLORE:
             source, tokens, q, conf, table = options[first.index(max(first))]
-            best = (source, tokens[:1], None if q is None else q[:, :1], conf[:1], table, max(first), True)
+            best = Pick(
+                source, tokens[:1], None if q is None else q[:, :1], conf[:1], table, max(first), True
+            )
         return best
 
     @staticmethod

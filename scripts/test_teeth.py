@@ -90,7 +90,7 @@ BUGS = [
     (
         "the adaptive proposer never verifies a source again once its chances fell below the cut",
         "flashdraft/adaptive.py",
-        "        if best[5] == 0.0 and options and st.idle >= EXPLORE:",
+        "        if best.value == 0.0 and options and st.idle >= EXPLORE:",
         "        if False:",
         "tests/test_adaptive.py::test_a_source_judged_hopeless_is_tried_again",
     ),
