@@ -45,7 +45,15 @@ from .files import atomic_write, write_json, write_text
 from .models import load_target, local_dir
 from .proposers import DFlashProposer
 from .target import Target, TargetError, resolve_dtype
-from .train_config import DTYPES, RUN_FIELDS, TrainConfig, TrainError, check_config, resolve_gamma
+from .train_config import (
+    DTYPES,
+    RUN_FIELDS,
+    TrainConfig,
+    TrainError,
+    check_config,
+    resolve_gamma,
+    use_autocast,
+)
 from .train_data import (
     _generator,
     epoch_batches,
@@ -297,7 +305,7 @@ def _open_run(cfg: TrainConfig, d: Dist, device: torch.device) -> tuple[Run, Pat
         gamma=gamma,
         identity=identity,
         master=torch.float64 if dtype == torch.float64 else torch.float32,
-        autocast=cfg.autocast == "on" or (cfg.autocast == "auto" and device.type == "cuda"),
+        autocast=use_autocast(cfg.autocast, device, dtype),
         target=target,
         seqs=seqs,
         eval_prompts=eval_prompts,
@@ -771,7 +779,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--autocast",
         choices=["auto", "on", "off"],
         default=d.autocast,
-        help="bf16 autocast of the draft (auto: on CUDA only)",
+        help="bf16 autocast of the draft (auto: on CUDA, and on CPUs with native bf16 when the target is bf16)",
     )
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     p.add_argument("--mask-token-id", type=int, default=None)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from . import target
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
@@ -50,7 +52,9 @@ class TrainConfig:
     # The frozen target's dtype. auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere (bf16 is
     # emulated, far slower, on AVX2-only CPUs). The draft's master weights are fp32 (fp64 with float64).
     dtype: str = "auto"
-    autocast: str = "auto"  # bf16 autocast of the draft: auto = on CUDA only
+    # bf16 autocast of the draft (fp32 master weights). auto: on CUDA, and on CPUs with native bf16 when the
+    # target runs in bf16 (1.66x the blocks/s of fp32 on a 2-core avx512_bf16 EPYC; docs/speed.md).
+    autocast: str = "auto"
     device: str = "auto"
     mask_token_id: int | None = None
     max_steps: int | None = None
@@ -104,6 +108,15 @@ RUN_FIELDS = (
     "init_draft",
     "chat_template_kwargs",
 )
+
+
+def use_autocast(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the draft trains under bf16 autocast: `--autocast on/off`, or auto: on CUDA, and on CPUs
+    that multiply bf16 natively when the target is bf16 too (an AVX2-only CPU emulates bf16, far slower
+    than fp32; a float32 or float64 target asks for that precision)."""
+    if setting != "auto":
+        return setting == "on"
+    return device.type == "cuda" or (dtype == torch.bfloat16 and target.cpu_has_fast_bf16())
 
 
 def resolve_gamma(block_size: int, gamma: float | None) -> float:

@@ -123,6 +123,20 @@ BUGS = [
         "tests/test_adaptive.py::test_where_the_draft_does_not_pay_a_new_request_backs_off_at_once",
     ),
     (
+        "autocast auto stays off on CPUs with native bf16 (CUDA only, as before)",
+        "flashdraft/train_config.py",
+        '    return device.type == "cuda" or (dtype == torch.bfloat16 and target.cpu_has_fast_bf16())',
+        '    return device.type == "cuda"',
+        "tests/test_train.py::test_autocast_auto_is_on_where_bf16_is_native",
+    ),
+    (
+        "the run ignores the autocast rule",
+        "flashdraft/train.py",
+        "        autocast=use_autocast(cfg.autocast, device, dtype),",
+        '        autocast=cfg.autocast == "on",',
+        "tests/test_train.py::test_autocast_auto_is_on_where_bf16_is_native",
+    ),
+    (
         "shallow targets get the published layer rule (layer -1, repeated layers)",
         "flashdraft/draft.py",
         "    if num_target_layers < num_features + 3:",

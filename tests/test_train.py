@@ -560,6 +560,22 @@ def test_cli_help_lists_the_issue_options():
     assert cfg.lr == 6e-4 and cfg.block_size == 16 and cfg.layers == 5 and cfg.max_len == 3072
 
 
+def test_autocast_auto_is_on_where_bf16_is_native(files, tmp_path, monkeypatch, capsys):
+    import flashdraft.target as target_module
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(target_module, "cpu_has_fast_bf16", lambda: False)
+    assert not TC.use_autocast("auto", cpu, torch.bfloat16)  # emulated bf16: slower than fp32
+    assert TC.use_autocast("auto", cuda, torch.float32) and TC.use_autocast("on", cpu, torch.float32)
+    monkeypatch.setattr(target_module, "cpu_has_fast_bf16", lambda: True)
+    assert TC.use_autocast("auto", cpu, torch.bfloat16)
+    assert not TC.use_autocast("auto", cpu, torch.float32)  # a float32 target asks for that precision
+    assert not TC.use_autocast("off", cuda, torch.bfloat16)
+    # and the run uses it
+    T.train(config(files, tmp_path / "run", dtype="bfloat16", max_steps=1, save_every=1))
+    assert "autocast bf16" in capsys.readouterr().err
+
+
 # -- sample-efficiency options: block layout, sub-vocabulary, distillation, init from target ------
 
 
