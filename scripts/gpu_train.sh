@@ -6,7 +6,7 @@
 # TARGET: a .gguf file or HF model directory carried to the box (the SmolLM2 GGUF travels in two
 # parts: `cat part1 part2 > smollm2.gguf`). Prepared on a CPU machine first:
 #   python scripts/export_prompts.py      # data/prompts-*.jsonl: the training prompts (eval prompts excluded)
-#   scripts/gpu_wheels.sh                 # wheels/: our pinned transformers, tokenizers, gguf, ... (~20 MB)
+#   scripts/gpu_wheels.sh                 # wheels/: our pinned transformers, tokenizers, gguf, ... (~30 MB)
 # Steps, each resumable (rerun the same command):
 #   0. the wheels in WHEELS (default wheels/), if there, go into this Python (no torch among them: its own stays);
 #   1. datagen: the target answers data/prompts-train.jsonl, greedy, bf16, large batches;

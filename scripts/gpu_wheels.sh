@@ -3,7 +3,7 @@
 # torch 2.11, transformers 5.17, huggingface_hub 1.x and no gguf; it keeps its own CUDA torch), so that
 # scripts/gpu_train.sh can install them there with no network. Run where PyPI is reachable, after
 # `make install` (the versions are read from .venv):   scripts/gpu_wheels.sh [DIR]   (default wheels/)
-# Carry DIR (about 25 MB) in its own call: a call carries at most 64 MiB, and each GGUF part takes 49.
+# Carry DIR (about 30 MB) in its own call: a call carries at most 64 MiB, and each GGUF part takes 49.
 set -euo pipefail
 DIR=${1:-wheels}
 PYVER=${PYVER:-3.12}  # the box's Python (3.11 for a check in a local venv of this machine's Python)
