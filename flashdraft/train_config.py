@@ -53,7 +53,7 @@ class TrainConfig:
     # emulated, far slower, on AVX2-only CPUs). The draft's master weights are fp32 (fp64 with float64).
     dtype: str = "auto"
     # bf16 autocast of the draft (fp32 master weights). auto: on CUDA, and on CPUs with native bf16 when the
-    # target runs in bf16 (1.66x the blocks/s of fp32 on a 2-core avx512_bf16 EPYC; docs/speed.md).
+    # target runs in bf16 (1.6-1.9x the blocks/s of fp32 on a 2-core avx512_bf16 EPYC; docs/speed.md).
     autocast: str = "auto"
     device: str = "auto"
     mask_token_id: int | None = None
