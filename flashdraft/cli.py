@@ -218,6 +218,17 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from .serve import cmd_serve
+    except ImportError as e:  # a slim install (the GPU box's) may lack the web stack; no other verb needs it
+        raise ValueError(
+            f"flashdraft serve needs the server's packages ({e.name or e} is missing): "
+            "pip install fastapi uvicorn pydantic prometheus_client (the versions pinned in pyproject.toml)"
+        ) from None
+    return cmd_serve(args)
+
+
 def cmd_bench(args) -> int:
     from .bench import main_from_args
 
@@ -384,7 +395,7 @@ def _add_datagen(sub) -> None:
 
 
 def _add_heavy_verbs(sub) -> None:
-    """train, bench and serve, whose options live beside their code."""
+    """train and bench, whose options live beside their code, and serve, whose options live here."""
     from .train import add_arguments as add_train_arguments
 
     t = sub.add_parser(
@@ -401,14 +412,41 @@ def _add_heavy_verbs(sub) -> None:
     add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
 
-    from .serve import add_arguments as add_serve_arguments
-    from .serve import cmd_serve
-
     s = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server with batched speculative decoding (loopback by default)"
     )
-    add_serve_arguments(s)
+    _add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
+
+
+def _add_serve_arguments(p) -> None:
+    """Here rather than in serve.py, so that building the parser for any verb needs no web stack."""
+    p.add_argument(
+        "--target", required=True, help="built-in name, a .gguf file or a local HF model directory"
+    )
+    p.add_argument("--draft", help="DFlash draft directory (omit for plain batched decoding)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key", help="require `Authorization: Bearer KEY` (default: $FLASHDRAFT_API_KEY, else no key)"
+    )
+    p.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together per step")
+    p.add_argument("--block-size", type=int, default=None, help="default: the draft's; 1 = plain decoding")
+    p.add_argument("--proposal", choices=["draft", "greedy"], default="draft", help="drafts when sampling")
+    p.add_argument(
+        "--speculation",
+        choices=SPECULATION,
+        default=DEFAULT_SPECULATION,
+        help="fixed: verify every drafted token; adaptive: DFlash and n-gram lookup, cut and skipped by "
+        "measured costs (README, Adaptive speculation)",
+    )
+    p.add_argument(
+        "--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it"
+    )
+    p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
+    p.add_argument("--model-name", help="the model id clients send (default: --target as given)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get a 413")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request  # FastAPI resolves route annotations in this module's globals
 
-from .adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
+from .adaptive import DEFAULT_SPECULATION, make_proposer
 from .chat import chat_ids, check_kwargs
 from .decode import GenerationConfig
 from .engine import Engine
@@ -835,37 +835,6 @@ def serve(cfg: ServeConfig) -> None:
         flush=True,
     )
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
-
-
-def add_arguments(p) -> None:
-    from .target import DTYPES
-
-    p.add_argument(
-        "--target", required=True, help="built-in name, a .gguf file or a local HF model directory"
-    )
-    p.add_argument("--draft", help="DFlash draft directory (omit for plain batched decoding)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key", help="require `Authorization: Bearer KEY` (default: $FLASHDRAFT_API_KEY, else no key)"
-    )
-    p.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together per step")
-    p.add_argument("--block-size", type=int, default=None, help="default: the draft's; 1 = plain decoding")
-    p.add_argument("--proposal", choices=["draft", "greedy"], default="draft", help="drafts when sampling")
-    p.add_argument(
-        "--speculation",
-        choices=SPECULATION,
-        default=DEFAULT_SPECULATION,
-        help="fixed: verify every drafted token; adaptive: DFlash and n-gram lookup, cut and skipped by "
-        "measured costs (README, Adaptive speculation)",
-    )
-    p.add_argument(
-        "--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it"
-    )
-    p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
-    p.add_argument("--model-name", help="the model id clients send (default: --target as given)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get a 413")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
 def cmd_serve(args) -> int:

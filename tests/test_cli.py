@@ -186,6 +186,21 @@ def test_a_typo_shows_the_verbs_usage_and_exits_2(verb, capsys):
     assert exit_.value.code == 2 and f"usage: flashdraft {verb}" in err and "--tagret" in err
 
 
+def test_verbs_parse_without_the_web_stack_and_serve_says_what_is_missing():
+    """Slim installs (the GPU box's carried wheels) lack fastapi and friends: building the parser, which
+    every verb does, must not import them, and `serve` names what to install instead of a traceback."""
+    code = (
+        "import sys\n"
+        "for m in ('fastapi', 'starlette', 'uvicorn', 'pydantic', 'prometheus_client'): sys.modules[m] = None\n"
+        "from flashdraft.cli import build_parser, main\n"
+        "assert build_parser().parse_args(['train', '--target', 't', '--data', 'd', '--out', 'o']).cmd\n"
+        "sys.exit(main(['serve', '--target', 't']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "error: flashdraft serve needs the server's packages" in r.stderr and "pip install" in r.stderr
+
+
 def test_input_errors_exit_2_with_one_line(tmp_path, capsys):
     """Every kind of wrong input ends the same way, whatever the verb: exit code 2 and an `error:` line."""
     bad = tmp_path / "bad.jsonl"
