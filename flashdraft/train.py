@@ -376,8 +376,13 @@ def _make_draft(run: Run, ckpt: Path | None, ckpt_state: dict | None) -> None:
     run.optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rows = None
     if cfg.head_vocab:
-        rows, coverage = head_rows(run.seqs, cfg.head_vocab, target.vocab_size)
-        run.log(f"loss over the {rows.numel()} most frequent response tokens: {100 * coverage:.2f}% of them")
+        keep = None if start_from is None else start_from.vocab
+        rows, coverage = head_rows(run.seqs, cfg.head_vocab, target.vocab_size, keep)
+        run.log(
+            f"loss over the {cfg.head_vocab} most frequent response tokens"
+            + ("" if keep is None else f" and the {keep.numel()} of --init-draft's vocabulary")
+            + f": {rows.numel()} rows, {100 * coverage:.2f}% of the response tokens"
+        )
         draft.set_vocab(rows)  # saved with the draft: it proposes only from what it was trained on
         rows = rows.to(run.device)
     run.head = FrozenHead(target.lm_head, None if run.autocast else run.master, rows)
@@ -804,7 +809,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.head_vocab,
         help="softmax over the N most frequent response tokens only (0: full vocabulary); the LM head "
-        "dominates a CPU step",
+        "dominates a CPU step. With --init-draft, that draft's vocabulary is kept and these join it",
     )
     p.add_argument(
         "--init-from-target", action="store_true", help="start the draft layers as the target's top layers"

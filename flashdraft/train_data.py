@@ -266,11 +266,18 @@ def sample_anchors(
     return candidates.sort().values
 
 
-def head_rows(seqs: list[Sequence], n: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The `n` most frequent response tokens of the data (ties by id) and the share of response tokens
-    they cover: a softmax over them costs n/V of the full LM head, which dominates a CPU step."""
+def head_rows(
+    seqs: list[Sequence], n: int, vocab_size: int, keep: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float]:
+    """The `n` most frequent response tokens of the data (ties by id), joined with `keep` (the vocabulary of
+    the draft training continues from: a continued draft never loses a token it could propose), and the
+    share of response tokens they cover: a softmax over them costs rows/V of the full LM head, which
+    dominates a CPU step."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in seqs:
         counts += torch.bincount(s.ids[s.loss_mask], minlength=vocab_size)
-    rows = torch.sort(torch.argsort(counts, descending=True, stable=True)[: min(n, vocab_size)]).values
+    rows = torch.argsort(counts, descending=True, stable=True)[: min(n, vocab_size)]
+    if keep is not None:
+        rows = torch.cat([rows, keep.to(rows)])
+    rows = torch.unique(rows)  # sorted
     return rows, float(counts[rows].sum()) / max(1, int(counts.sum()))

@@ -172,6 +172,41 @@ def test_init_draft_starts_from_its_weights(tmp_path):
         T.train(dataclasses.replace(cfg, out=str(tmp_path / "r2"), init_draft=str(tmp_path)))
 
 
+def test_init_draft_keeps_its_vocabulary_and_adds_the_new_datas(tmp_path):
+    """Continuing from a draft with a vocabulary (`--head-vocab`): its tokens stay proposable even where the
+    new data lacks them (a chat fine-tune must not cost the draft its arithmetic), and the new data's most
+    frequent tokens join them."""
+    from conftest import make_draft
+    from test_train import VOCAB, write_data
+
+    from flashdraft import DFlashDraft
+
+    make_hf_model("llama", vocab=VOCAB, max_pos=512).save_pretrained(tmp_path / "target")
+    write_data(tmp_path / "data.jsonl", 8, vocab=64)  # response tokens 4..63 only
+    start = make_draft(make_hf_model("llama", vocab=VOCAB), layers=1, block_size=4)
+    start.set_vocab([100, 101, 127])
+    start.save_pretrained(tmp_path / "start", dtype=torch.float32)
+    cfg = TC.TrainConfig(
+        target=str(tmp_path / "target"),
+        data=[str(tmp_path / "data.jsonl")],
+        out=str(tmp_path / "run"),
+        layers=1,
+        block_size=4,
+        gamma=2.0,
+        eval_prompts=0,
+        dtype="float32",
+        progress=False,
+        save_dtype="float32",
+        max_steps=1,
+        head_vocab=5,
+        init_draft=str(tmp_path / "start"),
+    )
+    T.train(cfg)
+    top, _ = TD.head_rows(TD.prepare_data(cfg, VOCAB)[0], 5, VOCAB)
+    vocab = DFlashDraft.from_pretrained(tmp_path / "run" / "draft").vocab.tolist()
+    assert vocab == sorted({100, 101, 127, *top.tolist()}) and len(vocab) == 8
+
+
 def test_eval_refs_evaluate_by_the_offline_walk_and_are_kept_out_of_training(tmp_path):
     from test_train import VOCAB, write_data
 
