@@ -134,19 +134,21 @@ def test_mixed_run_draws_each_source_by_its_weight(chat, tmp_path):
         TC.check_config(corpus_config(target, tmp_path / "m2", data=["sharegpt:1", str(small)]))
 
 
-def test_init_draft_starts_from_its_weights(tmp_path):
+def continue_from(tmp_path, vocab: list[int] | None = None, data_vocab: int = 128, **kw) -> TC.TrainConfig:
+    """A tiny target, toy data (response tokens below `data_vocab`) and a 1-layer draft reading target
+    layers 0 and 2 (with `vocab` as its draft vocabulary) saved as `start`; the config continues from it."""
     from conftest import make_draft
     from test_train import VOCAB, write_data
 
     make_hf_model("llama", vocab=VOCAB, max_pos=512).save_pretrained(tmp_path / "target")
-    write_data(tmp_path / "data.jsonl", 8)
+    write_data(tmp_path / "data.jsonl", 8, vocab=data_vocab)
     start = make_draft(make_hf_model("llama", vocab=VOCAB), layers=1, block_size=4, target_layer_ids=[0, 2])
+    start.set_vocab(vocab)
     start.save_pretrained(tmp_path / "start", dtype=torch.float32)
-    cfg = TC.TrainConfig(
+    base = dict(
         target=str(tmp_path / "target"),
         data=[str(tmp_path / "data.jsonl")],
         out=str(tmp_path / "run"),
-        layers=3,  # the starting draft's shape wins
         block_size=4,
         gamma=2.0,
         eval_prompts=0,
@@ -154,10 +156,13 @@ def test_init_draft_starts_from_its_weights(tmp_path):
         progress=False,
         save_dtype="float32",
         max_steps=1,
-        lr=1e-9,
-        warmup=0.0,
         init_draft=str(tmp_path / "start"),
     )
+    return TC.TrainConfig(**(base | kw))
+
+
+def test_init_draft_starts_from_its_weights(tmp_path):
+    cfg = continue_from(tmp_path, layers=3, lr=1e-9, warmup=0.0)  # layers=3: the starting draft's shape wins
     T.train(cfg)
     before, after = (
         load_file(str(tmp_path / "start" / "model.safetensors")),
@@ -176,31 +181,12 @@ def test_init_draft_keeps_its_vocabulary_and_adds_the_new_datas(tmp_path):
     """Continuing from a draft with a vocabulary (`--head-vocab`): its tokens stay proposable even where the
     new data lacks them (a chat fine-tune must not cost the draft its arithmetic), and the new data's most
     frequent tokens join them."""
-    from conftest import make_draft
-    from test_train import VOCAB, write_data
+    from test_train import VOCAB
 
     from flashdraft import DFlashDraft
 
-    make_hf_model("llama", vocab=VOCAB, max_pos=512).save_pretrained(tmp_path / "target")
-    write_data(tmp_path / "data.jsonl", 8, vocab=64)  # response tokens 4..63 only
-    start = make_draft(make_hf_model("llama", vocab=VOCAB), layers=1, block_size=4)
-    start.set_vocab([100, 101, 127])
-    start.save_pretrained(tmp_path / "start", dtype=torch.float32)
-    cfg = TC.TrainConfig(
-        target=str(tmp_path / "target"),
-        data=[str(tmp_path / "data.jsonl")],
-        out=str(tmp_path / "run"),
-        layers=1,
-        block_size=4,
-        gamma=2.0,
-        eval_prompts=0,
-        dtype="float32",
-        progress=False,
-        save_dtype="float32",
-        max_steps=1,
-        head_vocab=5,
-        init_draft=str(tmp_path / "start"),
-    )
+    # the data's response tokens are 4..63; the starting draft proposes 100, 101 and 127
+    cfg = continue_from(tmp_path, vocab=[100, 101, 127], data_vocab=64, layers=1, head_vocab=5)
     T.train(cfg)
     top, _ = TD.head_rows(TD.prepare_data(cfg, VOCAB)[0], 5, VOCAB)
     vocab = DFlashDraft.from_pretrained(tmp_path / "run" / "draft").vocab.tolist()
