@@ -25,6 +25,7 @@ def main(root: Path) -> None:
             {
                 "run": run.name,
                 "steps": steps[-1]["step"] if steps else 0,
+                "sequences": sum(m.get("sequences", 0) for m in steps),
                 "loss": f"{steps[0]['loss']:.2f} -> {steps[-1]['loss']:.2f}" if steps else "-",
                 "tau": f"{first.get('tau', float('nan')):.3f} -> {last.get('tau', float('nan')):.3f}",
                 **{k.removeprefix("tau/"): f"{last[k]:.3f}" for k in sets},

@@ -556,8 +556,14 @@ def test_cli_help_lists_the_issue_options():
         ["train", "--target", "t", "--data", "a.jsonl,b.jsonl", "--out", "o", "--gamma", "auto"]
     )
     cfg = TC.TrainConfig.from_args(text)
-    assert cfg.data == ["a.jsonl", "b.jsonl"] and cfg.gamma is None and cfg.anchors == 512 and cfg.epochs == 6
-    assert cfg.lr == 6e-4 and cfg.block_size == 16 and cfg.layers == 5 and cfg.max_len == 3072
+    assert cfg.data == ["a.jsonl", "b.jsonl"] and cfg.gamma is None and cfg.anchors == 48 and cfg.epochs == 6
+    assert (
+        cfg.lr == 6e-4
+        and cfg.block_size == 8
+        and cfg.layers == 5
+        and cfg.max_len == 3072
+        and cfg.batch_tokens == 2048
+    )
 
 
 def test_autocast_auto_is_on_where_bf16_is_native(files, tmp_path, monkeypatch, capsys):
