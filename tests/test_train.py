@@ -559,7 +559,7 @@ def test_cli_help_lists_the_issue_options():
     assert cfg.data == ["a.jsonl", "b.jsonl"] and cfg.gamma is None and cfg.anchors == 48 and cfg.epochs == 6
     assert (
         cfg.lr == 6e-4
-        and cfg.block_size == 8
+        and cfg.block_size == 16
         and cfg.layers == 5
         and cfg.max_len == 3072
         and cfg.batch_tokens == 2048
