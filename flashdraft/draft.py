@@ -150,6 +150,20 @@ class DraftConfig:
         }
 
     @classmethod
+    def read(cls, directory: str | os.PathLike) -> DraftConfig:
+        """The config.json of a draft directory, without its weights."""
+        cfg_path = Path(directory) / CONFIG_NAME
+        if not cfg_path.is_file():
+            raise DraftError(
+                f"{cfg_path} not found: a draft directory needs config.json and model.safetensors"
+            )
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise DraftError(f"{cfg_path} is not valid JSON ({e}): restore or re-save the draft") from e
+        return cls.from_json(raw)
+
+    @classmethod
     def from_json(cls, raw: dict) -> DraftConfig:
         archs = raw.get("architectures") or ["DFlashDraftModel"]
         if archs != ["DFlashDraftModel"]:
@@ -500,16 +514,7 @@ class DFlashDraft(nn.Module):
     ) -> DFlashDraft:
         """Load a draft in the published layout; `vocab=False` ignores its draft vocabulary."""
         directory = Path(directory)
-        cfg_path = directory / CONFIG_NAME
-        if not cfg_path.is_file():
-            raise DraftError(
-                f"{cfg_path} not found: a draft directory needs config.json and model.safetensors"
-            )
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise DraftError(f"{cfg_path} is not valid JSON ({e}): restore or re-save the draft") from e
-        config = DraftConfig.from_json(raw)
+        config = DraftConfig.read(directory)
         state = _load_weights(directory)
         model = cls(config)
         expected = model.state_dict()

@@ -47,10 +47,12 @@ from .proposers import DFlashProposer
 from .target import Target, TargetError, resolve_dtype
 from .train_config import (
     DTYPES,
+    NEW_DRAFT_BLOCK_SIZE,
     RUN_FIELDS,
     TrainConfig,
     TrainError,
     check_config,
+    resolve_block_size,
     resolve_gamma,
     use_autocast,
 )
@@ -197,6 +199,7 @@ def plot_metrics(metrics: list[dict], path: Path) -> None:
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training; returns a summary. Raises TrainError on bad input or a NaN loss."""
+    cfg = resolve_block_size(cfg)
     check_config(cfg)
     d, device = setup(cfg)
     try:
@@ -729,7 +732,12 @@ def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=d.layers, help="draft layers")
     p.add_argument("--num-features", type=int, default=None, help="target layers read (default: --layers)")
     p.add_argument("--target-layer-ids", type=_int_list, default=None, help="explicit 0-based target layers")
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"tokens per drafted block (default: --init-draft's, else {NEW_DRAFT_BLOCK_SIZE})",
+    )
     p.add_argument("--anchors", type=int, default=d.anchors, help="max anchors (blocks) per sequence")
     p.add_argument("--gamma", type=_gamma, default=None, help="loss decay; auto = 7/5/4 for block 16/10/8")
     p.add_argument("--epochs", type=int, default=d.epochs)

@@ -557,13 +557,8 @@ def test_cli_help_lists_the_issue_options():
     )
     cfg = TC.TrainConfig.from_args(text)
     assert cfg.data == ["a.jsonl", "b.jsonl"] and cfg.gamma is None and cfg.anchors == 48 and cfg.epochs == 6
-    assert (
-        cfg.lr == 6e-4
-        and cfg.block_size == 16
-        and cfg.layers == 5
-        and cfg.max_len == 3072
-        and cfg.batch_tokens == 2048
-    )
+    assert cfg.lr == 6e-4 and cfg.layers == 5 and cfg.max_len == 3072 and cfg.batch_tokens == 2048
+    assert cfg.block_size is None and TC.resolve_block_size(cfg).block_size == TC.NEW_DRAFT_BLOCK_SIZE == 8
 
 
 def test_autocast_auto_is_on_where_bf16_is_native(files, tmp_path, monkeypatch, capsys):

@@ -136,7 +136,8 @@ def test_mixed_run_draws_each_source_by_its_weight(chat, tmp_path):
 
 def continue_from(tmp_path, vocab: list[int] | None = None, data_vocab: int = 128, **kw) -> TC.TrainConfig:
     """A tiny target, toy data (response tokens below `data_vocab`) and a 1-layer draft reading target
-    layers 0 and 2 (with `vocab` as its draft vocabulary) saved as `start`; the config continues from it."""
+    layers 0 and 2 in blocks of 4 (with `vocab` as its draft vocabulary) saved as `start`; the config
+    continues from it, with the default block size."""
     from conftest import make_draft
     from test_train import VOCAB, write_data
 
@@ -149,7 +150,6 @@ def continue_from(tmp_path, vocab: list[int] | None = None, data_vocab: int = 12
         target=str(tmp_path / "target"),
         data=[str(tmp_path / "data.jsonl")],
         out=str(tmp_path / "run"),
-        block_size=4,
         gamma=2.0,
         eval_prompts=0,
         dtype="float32",
@@ -162,6 +162,8 @@ def continue_from(tmp_path, vocab: list[int] | None = None, data_vocab: int = 12
 
 
 def test_init_draft_starts_from_its_weights(tmp_path):
+    from flashdraft import DFlashDraft
+
     cfg = continue_from(tmp_path, layers=3, lr=1e-9, warmup=0.0)  # layers=3: the starting draft's shape wins
     T.train(cfg)
     before, after = (
@@ -170,9 +172,11 @@ def test_init_draft_starts_from_its_weights(tmp_path):
     )
     assert before.keys() == after.keys()
     assert max((before[k] - after[k]).abs().max().item() for k in before) < 1e-6
-    assert json.loads((tmp_path / "run" / "draft" / "config.json").read_text())["dflash_config"][
-        "target_layer_ids"
-    ] == [0, 2]
+    saved = json.loads((tmp_path / "run" / "draft" / "config.json").read_text())
+    assert saved["dflash_config"]["target_layer_ids"] == [0, 2]
+    assert saved["block_size"] == 4  # the starting draft's: a continued draft keeps its block size unasked
+    again = T.train(dataclasses.replace(cfg, out=str(tmp_path / "r16"), block_size=16))  # ... unless asked
+    assert DFlashDraft.from_pretrained(again["draft"]).config.block_size == 16
     with pytest.raises(TC.TrainError, match="--init-draft .*not found"):
         T.train(dataclasses.replace(cfg, out=str(tmp_path / "r2"), init_draft=str(tmp_path)))
 
