@@ -25,7 +25,7 @@ what the previous forward committed). A warm-up generation per method runs first
 After each prompt, the cost model's isolated forwards are timed at that prompt's context
 (`calibrate`). A separate, small numerics part compares greedy outputs in bf16 and float32.
 
-Time of the default command (4 data sets x 2 prompts x 48 new tokens, 7 methods at block size 16,
+Time of the default command (4 data sets x 2 prompts x 48 new tokens, 7 methods at the draft's block size,
 numerics 2 prompts x 32 tokens). Measured on our 2-core machine (float32 SmolLM2 at 7.7 tokens/s, the
 shipped draft at tau 1.02): the old defaults (64 tokens, block sizes 8 and 16, 10 methods) took 1378 s.
 The three DFlash-type methods cost about 2.4 plain steps per token each with that draft, so dropping
@@ -58,7 +58,7 @@ from . import chat
 from .adaptive import AdaptiveProposer
 from .chat import chat_ids
 from .decode import GenerationConfig, generate
-from .draft import DFlashDraft
+from .draft import DFlashDraft, DraftConfig
 from .export import hf_dflash_assistant
 from .proposers import DFlashProposer, NgramProposer
 from .sampling import SamplingConfig
@@ -1294,7 +1294,9 @@ def add_arguments(p) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
-    p.add_argument("--block-sizes", default="16", help="comma-separated DFlash block sizes, e.g. 8,16")
+    p.add_argument(
+        "--block-sizes", default="", help="comma-separated DFlash block sizes, e.g. 8,16 (default: the draft's)"
+    )
     p.add_argument(
         "--methods",
         default=",".join(KINDS),
@@ -1324,6 +1326,8 @@ def main_from_args(args) -> int:
         block_sizes = tuple(int(b) for b in _csv(args.block_sizes))
     except ValueError:
         raise BenchError(f"--block-sizes takes comma-separated integers, got {args.block_sizes!r}") from None
+    # The draft's trained block size: a draft trained at 8 drafts past its training at 16 (not the reverse).
+    block_sizes = block_sizes or (DraftConfig.read(local_dir(args.draft)).block_size,)
     kinds = tuple(dict.fromkeys(["plain", *_csv(args.methods)]))
     config = BenchConfig(
         max_new_tokens=args.max_new_tokens,

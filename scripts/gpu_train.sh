@@ -52,7 +52,7 @@ DATA="$OUT/gpu-data.jsonl:0.4${CORPUS:+,$CORPUS:0.2}"
 for f in data/smollm2-135m-instruct/*.npz; do DATA="$DATA,$f:0.1"; done
 
 $PY -m flashdraft train --target "$TARGET" --data "$DATA" --init-draft "$INIT" \
-    --out "$OUT/run" --device "$DEVICE" --block-size 16 --distill --anchors 48 \
+    --out "$OUT/run" --device "$DEVICE" --distill --anchors 48 \
     --cache-features --head-vocab 8192 --lr 6e-4 --epochs 50 --max-steps "$STEPS" --batch-tokens "$BATCH_TOKENS" --micro-batch "$MICRO" \
     --eval-refs "$REFS" --max-minutes "$MINUTES" --no-progress \
     ${RESUME:+--resume}

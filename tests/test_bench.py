@@ -322,7 +322,7 @@ def test_cli_bench_writes_all_outputs(model_dirs, capsys):
     out = model_dirs / "out"
     argv = ["bench", "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft")]
     argv += ["--datasets", "mt-bench,gsm-symbolic-eval", "--samples", "1", "--max-new-tokens", "6"]
-    argv += ["--block-sizes", "4", "--methods", "dflash,reference", "--numerics-samples", "1"]
+    argv += ["--methods", "dflash,reference", "--numerics-samples", "1"]  # block size: the draft's (4)
     argv += ["--numerics-max-new-tokens", "4", "--dtype", "float32", "--out", str(out), "--no-progress"]
     assert main(argv) == 0, capsys.readouterr().err
     res = json.loads((out / "results.json").read_text())

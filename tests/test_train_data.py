@@ -175,8 +175,8 @@ def test_init_draft_starts_from_its_weights(tmp_path):
     saved = json.loads((tmp_path / "run" / "draft" / "config.json").read_text())
     assert saved["dflash_config"]["target_layer_ids"] == [0, 2]
     assert saved["block_size"] == 4  # the starting draft's: a continued draft keeps its block size unasked
-    again = T.train(dataclasses.replace(cfg, out=str(tmp_path / "r16"), block_size=16))  # ... unless asked
-    assert DFlashDraft.from_pretrained(again["draft"]).config.block_size == 16
+    again = T.train(dataclasses.replace(cfg, out=str(tmp_path / "r8"), block_size=8))  # ... unless asked
+    assert DFlashDraft.from_pretrained(again["draft"]).config.block_size == 8
     with pytest.raises(TC.TrainError, match="--init-draft .*not found"):
         T.train(dataclasses.replace(cfg, out=str(tmp_path / "r2"), init_draft=str(tmp_path)))
 
@@ -192,7 +192,7 @@ def test_init_draft_keeps_its_vocabulary_and_adds_the_new_datas(tmp_path):
     # the data's response tokens are 4..63; the starting draft proposes 100, 101 and 127
     cfg = continue_from(tmp_path, vocab=[100, 101, 127], data_vocab=64, layers=1, head_vocab=5)
     T.train(cfg)
-    top, _ = TD.head_rows(TD.prepare_data(cfg, VOCAB)[0], 5, VOCAB)
+    top, _ = TD.head_rows(TD.prepare_data(TC.resolve_block_size(cfg), VOCAB)[0], 5, VOCAB)
     vocab = DFlashDraft.from_pretrained(tmp_path / "run" / "draft").vocab.tolist()
     assert vocab == sorted({100, 101, 127, *top.tolist()}) and len(vocab) == 8
 
