@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 case $SET in
     options)
         VARIANTS=${VARIANTS:-plain all no-init no-distill all-b8}
-        common=(--lr 6e-4 --epochs 100 --max-steps 400 --batch-tokens 2048 --anchors 64 --mask-token-id 16
+        common=(--lr 6e-4 --epochs 100 --max-steps 400 --batch-tokens 2048 --anchors 64 --mask-token-id 16 --block-size 16
                 --eval-data "$EVAL" --eval-prompts 4 --eval-max-new-tokens 64 --eval-every 100000
                 --save-every 100000) ;;
     budget)
