@@ -1295,7 +1295,9 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
     p.add_argument(
-        "--block-sizes", default="", help="comma-separated DFlash block sizes, e.g. 8,16 (default: the draft's)"
+        "--block-sizes",
+        default="",
+        help="comma-separated DFlash block sizes, e.g. 8,16 (default: the draft's)",
     )
     p.add_argument(
         "--methods",

@@ -229,12 +229,18 @@ class Target:
             self._hook_layers(features)
             self._wanted = frozenset(features)
         mask = {} if attention_mask is None else {"attention_mask": attention_mask}
+        keep: int | torch.Tensor = logits_to_keep
+        if 0 < keep < input_ids.shape[1]:
+            # As positions, not a count: transformers then gathers the rows instead of slicing a view,
+            # which a bf16 matmul at batch 1 does not fold into one GEMM; it would copy the whole LM head
+            # first (SmolLM2's: 67 ms against 5 ms on a 2-core CPU, at every prefill).
+            keep = torch.arange(input_ids.shape[1] - keep, input_ids.shape[1], device=input_ids.device)
         try:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=positions,
                 use_cache=True,
-                logits_to_keep=logits_to_keep,
+                logits_to_keep=keep,
                 **mask,
                 **{self._cache_kw: cache},
             )

@@ -7,6 +7,12 @@ machine. The older tree is imported under another package name (its imports are 
 Prints per round the paired ratio of decode time, then the medians; goal: after / before <= 1.03.
 
     python scripts/engine_speed.py [--before /tmp/flashdraft-28efc1d] [--rounds 8] [--dtype float32]
+    python scripts/engine_speed.py --before /tmp/old --target smollm2-135m-instruct \
+        --draft checkpoints/smollm2-135m-instruct-dflash --dtype bfloat16 --new 128
+
+With `--target` and `--draft` the pair is a real one, on a chat prompt, and each round also times plain
+decoding (block size 1) in both trees. In bf16 the two trees may decode different tokens where a change
+of GEMM shapes flips a near-tie; the rounds say so instead of stopping.
 
 `git worktree add /tmp/flashdraft-28efc1d 28efc1d` makes the default older tree.
 """
@@ -51,17 +57,8 @@ def build(pkg, model, draft_state, cfg, block_size, dtype):
     return target, pkg.DFlashProposer(draft, target)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", type=Path, default=Path("/tmp/flashdraft-28efc1d"))
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--new", type=int, default=96)
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    args = ap.parse_args()
-    before = import_tree(args.before, "flashdraft_before")
-    dtype = getattr(torch, args.dtype)
+def random_pair(args, dtype, before):
+    """Twin random Llama targets (about 100M parameters) with one random 2-layer draft, and a prompt."""
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=32000,
@@ -83,20 +80,70 @@ def main():
         "after": (after, *build(after, model, state, cfg, args.block_size, dtype)),
     }
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,)).tolist()
+    return trees, prompt, f"target 100M-parameter random Llama, 2-layer draft, block {args.block_size}"
+
+
+def real_pair(args, dtype, before):
+    """The named target and the draft directory, loaded by each tree, and a chat prompt."""
+    from flashdraft.chat import chat_ids
+    from flashdraft.models import load_target
+
+    target = load_target(args.target, dtype, "cpu")
+    trees = {}
+    for name, pkg in (("before", before), ("after", after)):
+        twin = pkg.Target(target.model, target.tokenizer)
+        draft = pkg.DFlashDraft.from_pretrained(args.draft, dtype=dtype)
+        trees[name] = (pkg, twin, pkg.DFlashProposer(draft, twin))
+    messages = [{"role": "user", "content": PROMPT}]
+    prompt = list(chat_ids(target.tokenizer, messages))
+    return (
+        trees,
+        prompt,
+        f"{args.target} with {args.draft}, block {args.block_size}, {len(prompt)}-token prompt",
+    )
+
+
+PROMPT = (
+    "A baker makes 24 muffins in the morning and twice as many in the afternoon. She sells 50 muffins "
+    "and gives away a quarter of the rest. How many muffins are left? Explain step by step."
+)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", type=Path, default=Path("/tmp/flashdraft-28efc1d"))
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens of the random target")
+    ap.add_argument("--block-size", type=int, default=None, help="default: 16, or the draft's")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--target", help="a real target (with --draft) instead of the random pair")
+    ap.add_argument("--draft", help="the draft directory for --target")
+    args = ap.parse_args()
+    if bool(args.target) != bool(args.draft):
+        ap.error("--target and --draft go together")
+    before = import_tree(args.before, "flashdraft_before")
+    dtype = getattr(torch, args.dtype)
+    if args.block_size is None:
+        args.block_size = after.DraftConfig.read(args.draft).block_size if args.draft else 16
+    trees, prompt, what = (real_pair if args.target else random_pair)(args, dtype, before)
     cpu = next(
         (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
     )
     print(f"{cpu}, {torch.get_num_threads()} threads, {args.dtype}; before: {args.before}; after: {ROOT}")
-    print(
-        f"target 100M-parameter random Llama, 2-layer draft, block {args.block_size}, {args.new} new tokens"
-    )
-    modes = {"greedy": dict(), "sampling t=0.8 top-p=0.9": dict(temperature=0.8, top_p=0.9)}
-    for mode, sampling in modes.items():
+    print(f"{what}, {args.new} new tokens")
+    modes = {
+        "greedy": (dict(), args.block_size),
+        "sampling t=0.8 top-p=0.9": (dict(temperature=0.8, top_p=0.9), args.block_size),
+    }
+    if args.target:
+        modes["plain greedy"] = (dict(), 1)
+    for mode, (sampling, block) in modes.items():
 
-        def run(name, n_new, sampling=sampling):
+        def run(name, n_new, sampling=sampling, block=block):
             pkg, target, proposer = trees[name]
-            config = pkg.GenerationConfig(n_new, args.block_size, pkg.SamplingConfig(**sampling), seed=0)
-            return pkg.generate(target, prompt, proposer, config)
+            config = pkg.GenerationConfig(n_new, block, pkg.SamplingConfig(**sampling), seed=0)
+            return pkg.generate(target, prompt, proposer if block > 1 else None, config)
 
         for name in trees:  # warm-up
             run(name, 8)
@@ -107,18 +154,21 @@ def main():
             for name in list(trees)[:: 1 if r % 2 else -1]:  # alternate who goes first
                 res[name] = run(name, args.new)
                 steps[name] += res[name].step_s
-            if not sampling:
-                assert res["before"].tokens == res["after"].tokens, "the two trees decode different tokens"
-            ratios.append(res["after"].decode_s / res["before"].decode_s)
+            same = res["before"].tokens == res["after"].tokens
+            if not sampling and dtype == torch.float32:
+                assert same, "the two trees decode different tokens"
+            wall = {name: x.prefill_s + x.decode_s for name, x in res.items()}
+            ratios.append(wall["after"] / wall["before"])
             print(
-                f"{mode}, round {r + 1}: decode {res['before'].decode_s:.2f} s before, "
-                f"{res['after'].decode_s:.2f} s after: {ratios[-1]:.3f}"
+                f"{mode}, round {r + 1}: {wall['before']:.2f} s before, {wall['after']:.2f} s after: "
+                f"{ratios[-1]:.3f}{'' if same else ' (tokens differ)'}"
             )
         med = {name: statistics.median(s) * 1e3 for name, s in steps.items()}
         print(
             f"{mode}: median step {med['before']:.1f} ms before, {med['after']:.1f} ms after "
-            f"({med['after'] / med['before']:.3f}); decode time after / before, median of {args.rounds} "
-            f"paired rounds: {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})"
+            f"({med['after'] / med['before']:.3f}); prefill and decode time after / before, median of "
+            f"{args.rounds} paired rounds: {statistics.median(ratios):.3f} "
+            f"(range {min(ratios):.3f}-{max(ratios):.3f})"
         )
 
 

@@ -352,3 +352,17 @@ def test_test_drafts_depend_on_their_context(arch_name):
         changed += int((blocks[0] != blocks[1]).sum())
         total += blocks[0].numel()
     assert changed / total > 0.5, f"only {changed} of {total} drafted tokens depend on the context"
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+@pytest.mark.parametrize("keep", [1, 3])
+def test_logits_to_keep_are_the_last_positions_logits(arch_name, keep):
+    """Target.forward passes logits_to_keep to transformers as positions (a gathered, foldable GEMM
+    input): the logits must be those of the last `keep` positions of a full forward."""
+    target = Target(make_hf_model(arch_name))
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(10).expand(2, -1)
+    full, _ = target.forward(ids, pos, target.new_cache())
+    kept, _ = target.forward(ids, pos, target.new_cache(), logits_to_keep=keep)
+    assert kept.shape == (2, keep, 128)
+    torch.testing.assert_close(kept, full[:, -keep:], rtol=0, atol=1e-12)

@@ -44,8 +44,10 @@ def test_propose_logits_are_the_full_logits_on_the_vocabulary_and_minus_inf_else
     model = make_hf_model("qwen3")
     target = Target(model)
     draft = make_draft(model)
-    hidden = torch.randn(1, 5, 64, dtype=torch.float64)
+    # A slice of longer blocks, as the proposer passes (the head runs on a 2D view of it).
+    hidden = torch.randn(2, 6, 64, dtype=torch.float64)[:, 1:]
     full = draft.logits(hidden, target.lm_head)
+    assert full.shape == (2, 5, 128)
     draft.set_vocab([90, 3, 17, 64])
     sub = draft.propose_logits(hidden, target.lm_head)
     inside = torch.zeros(128, dtype=torch.bool)
@@ -53,7 +55,7 @@ def test_propose_logits_are_the_full_logits_on_the_vocabulary_and_minus_inf_else
     torch.testing.assert_close(sub[..., inside], full[..., inside], rtol=0, atol=1e-12)
     assert torch.isneginf(sub[..., ~inside]).all()
     draft.set_vocab(None)
-    assert torch.equal(draft.propose_logits(hidden, target.lm_head), full)
+    torch.testing.assert_close(draft.propose_logits(hidden, target.lm_head), full, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
