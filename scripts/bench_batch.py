@@ -2,7 +2,8 @@
 
 Like the paper's concurrency table: the same chat prompts go through `flashdraft.Engine`
 at each batch size, with continuous batching (a finished row's slot goes to the next prompt), once
-with plain decoding and once with the DFlash draft at each block size. Throughput is generated
+with plain decoding, once with the DFlash draft at each block size, and once with adaptive
+speculation (the server's default: it verifies only what it expects to pay at this batch size). Throughput is generated
 tokens over wall time, prefills included. Verification stops being free as batches grow, so a
 smaller block can win at larger batches: pass several --block-sizes to measure that.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from flashdraft import DFlashDraft, Engine, GenerationConfig, SamplingConfig, load_target
+from flashdraft.adaptive import make_proposer
 from flashdraft.chat import chat_ids
 from flashdraft.data import load_dataset
 
@@ -38,6 +40,10 @@ def ints(text: str) -> list[int]:
     return values
 
 
+def label(block) -> str:
+    return "adaptive" if block == "adaptive" else f"DFlash B={block}"
+
+
 def chat_prompts(target, dataset: str, n: int) -> list[list[int]]:
     tok = target.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
@@ -48,9 +54,14 @@ def chat_prompts(target, dataset: str, n: int) -> list[list[int]]:
     return [chat_ids(tok, ex.messages()) for ex in examples]
 
 
-def run(target, draft, block_size, batch_size, prompts, config) -> dict:
-    """All prompts through one decoder with at most batch_size rows; throughput and acceptance."""
-    dec = Engine(target, draft, block_size, max_batch_size=batch_size)
+def run(target, draft, block_size, batch_size, prompts, config, adaptive=False) -> dict:
+    """All prompts through one decoder with at most batch_size rows; throughput and acceptance.
+    `adaptive`: the draft behind adaptive speculation (a fresh proposer: it measures this batch size)."""
+    if adaptive:
+        proposer = make_proposer(draft, target, speculation="adaptive")
+        dec = Engine(target, block_size=block_size, max_batch_size=batch_size, proposer=proposer)
+    else:
+        dec = Engine(target, draft, block_size, max_batch_size=batch_size)
     out: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
@@ -108,30 +119,34 @@ def main():
     for bs in args.batch_sizes:
         plain = run(target, None, None, bs, prompts, config)
         row = {"batch_size": bs, "plain": {k: v for k, v in plain.items() if k != "outputs"}, "dflash": {}}
-        for block in blocks:
-            spec = run(target, draft, block, bs, prompts, config)
+        for block in [*blocks, "adaptive"]:
+            if block == "adaptive":
+                spec = run(target, draft, max(blocks), bs, prompts, config, adaptive=True)
+            else:
+                spec = run(target, draft, block, bs, prompts, config)
             same = sum(a == b for a, b in zip(spec.pop("outputs"), plain["outputs"], strict=True))
             spec["speedup"] = spec["tokens_per_s"] / plain["tokens_per_s"]
             spec["rows_identical_to_plain"] = same
             row["dflash"][str(block)] = spec
             print(
-                f"batch {bs:>3}  plain {plain['tokens_per_s']:8.1f} tok/s  DFlash B={block:<2} "
+                f"batch {bs:>3}  plain {plain['tokens_per_s']:8.1f} tok/s  {label(block):<11} "
                 f"{spec['tokens_per_s']:8.1f} tok/s  x{spec['speedup']:.2f}  tau {spec['tau']:.2f}  "
                 f"same output {same}/{len(prompts)}",
                 flush=True,
             )
         rows.append(row)
 
-    head = "| batch | plain tok/s | " + " | ".join(f"DFlash B={b} tok/s (tau) | speedup" for b in blocks)
+    methods = [*blocks, "adaptive"]
+    head = "| batch | plain tok/s | " + " | ".join(f"{label(b)} tok/s (tau) | speedup" for b in methods)
     print("\n" + head + " | best |")
-    print("|" + "---|" * (3 + 2 * len(blocks)))
+    print("|" + "---|" * (3 + 2 * len(methods)))
     for row in rows:
         cells = [str(row["batch_size"]), f"{row['plain']['tokens_per_s']:.1f}"]
-        for b in blocks:
+        for b in methods:
             d = row["dflash"][str(b)]
             cells += [f"{d['tokens_per_s']:.1f} ({d['tau']:.2f})", f"{d['speedup']:.2f}x"]
-        best = max(blocks, key=lambda b: row["dflash"][str(b)]["tokens_per_s"])
-        row["best"] = f"DFlash B={best}" if row["dflash"][str(best)]["speedup"] > 1 else "plain"
+        best = max(methods, key=lambda b: row["dflash"][str(b)]["tokens_per_s"])
+        row["best"] = label(best) if row["dflash"][str(best)]["speedup"] > 1 else "plain"
         print("| " + " | ".join(cells) + f" | {row['best']} |")
 
     if args.out:
