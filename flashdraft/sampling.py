@@ -45,19 +45,40 @@ def probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     p = torch.softmax(scores, dim=-1)
-    if cfg.top_p < 1:
-        sorted_p, order = p.sort(dim=-1, descending=True)
-        # Keep a token while the mass strictly above it is below top_p (always keeps the first).
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= cfg.top_p
-        p = p.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        p = p / p.sum(-1, keepdim=True)
-    return p
+    return top_p(p, cfg.top_p) if cfg.top_p < 1 else p
+
+
+TOP_P_CANDIDATES = (64, 1024)  # top-p's candidates per row, tried in turn before sorting the vocabulary
+
+
+def top_p(p: torch.Tensor, mass: float) -> torch.Tensor:
+    """p (..., V) restricted to its most likely tokens, renormalised: a token stays while the mass strictly
+    above it is below `mass` (the first always stays). The candidates come from `topk` when every row's
+    top 64 (else 1,024) hold `mass`, so that every token outside them is dropped; only a wider nucleus
+    sorts the whole vocabulary. On a 2-core CPU, for 8 rows of 49k: topk 0.4 / 2.1 ms, sort 15 ms."""
+    vocab = p.shape[-1]
+    for k in (*TOP_P_CANDIDATES, vocab):
+        top, index = p.topk(k, dim=-1) if k < vocab else p.sort(dim=-1, descending=True)
+        total = top.cumsum(-1)
+        if k >= vocab or bool((total[..., -1] >= mass).all()):
+            break
+    drop = (total - top) >= mass
+    kept = torch.zeros_like(p).scatter_(-1, index, top.masked_fill(drop, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of p (..., V) -> (...)."""
-    flat = p.reshape(-1, p.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
+    """One token per row of p (..., V) -> (...), by inverting the cumulative distribution (in float64)
+    at one uniform draw per row. `torch.multinomial` draws one exponential per vocabulary entry
+    instead: 7 ms for a drafted block of 7 rows of 49k on a 2-core CPU."""
+    flat = p.reshape(-1, p.shape[-1]).double()
+    cdf = flat.cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device) * total
+    # Token i covers [cdf[i-1], cdf[i]): a token of probability 0 covers nothing and is never drawn. u
+    # stays below the total even where the product rounds up, so the token found always exists.
+    u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).view(p.shape[:-1])
 
 
 def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None):

@@ -212,3 +212,46 @@ def test_verify_sampling_residual_is_exact():
         a, bonus = sampling.verify_sampling(x, p, q, gen)
         hits[int(x[0, 0]) if a else int(bonus)] += 1
     assert chisquare(hits.numpy(), p[0, 0].numpy() * 20_000).pvalue > 1e-3
+
+
+@pytest.mark.parametrize(
+    "scale, low, high",
+    [(6.0, 1, 64), (3.0, 65, 1024), (0.3, 1025, 5_000)],
+    ids=["nucleus-in-top-64", "nucleus-in-top-1024", "nucleus-needs-a-sort"],
+)
+def test_top_p_equals_a_full_sort_on_a_large_vocabulary(scale, low, high):
+    """top_p takes its candidates from the top 64, else the top 1,024, else sorts all 5,000 tokens: each
+    stage must keep exactly the nucleus that transformers' full sort keeps."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 5_000, generator=g, dtype=torch.float64) * scale
+    ours = probs(logits, SamplingConfig(1.0, top_p=0.9))
+    theirs = torch.softmax(TopPLogitsWarper(0.9)(None, logits.clone()), -1)
+    torch.testing.assert_close(ours, theirs)
+    widest = int((ours > 0).sum(-1).max())  # the batch's widest nucleus picks the stage
+    assert low <= widest <= high, "the case misses its stage"
+
+
+def test_sample_draws_each_row_from_its_distribution():
+    """Inverse-CDF sampling: per row of a (2, 2, V) batch, frequencies follow p and tokens of probability
+    0 (the first, the last, one in between) are never drawn."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(2, 2, V, generator=g, dtype=torch.float64), -1)
+    p[..., [0, 3, V - 1]] = 0.0
+    p = p / p.sum(-1, keepdim=True)
+    gen = torch.Generator().manual_seed(1)
+    draws = torch.stack([sampling.sample(p, gen) for _ in range(20_000)])  # (n, 2, 2)
+    assert draws.shape == (20_000, 2, 2)
+    for i, j in itertools.product(range(2), range(2)):
+        hits = torch.bincount(draws[:, i, j], minlength=V).double()
+        assert hits[p[i, j] == 0].sum() == 0
+        keep = p[i, j] > 0
+        assert chisquare(hits[keep].numpy(), (p[i, j, keep] * 20_000).numpy()).pvalue > 1e-3
+
+
+def test_sample_never_draws_past_the_last_token_with_mass(monkeypatch):
+    """A uniform draw that rounds up to the whole mass must still land on a token of positive probability."""
+    p = torch.tensor([[0.25, 0.75, 0.0, 0.0]], dtype=torch.float64)
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **kw: torch.ones(1, 1, dtype=torch.float64))
+    assert sampling.sample(p).tolist() == [1]
