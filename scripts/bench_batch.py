@@ -3,15 +3,17 @@
 Like the paper's concurrency table: the same chat prompts go through `flashdraft.Engine`
 at each batch size, with continuous batching (a finished row's slot goes to the next prompt), once
 with plain decoding, once with the DFlash draft at each block size, and once with adaptive
-speculation (the server's default: it verifies only what it expects to pay at this batch size). Throughput is generated
-tokens over wall time, prefills included. Verification stops being free as batches grow, so a
-smaller block can win at larger batches: pass several --block-sizes to measure that.
+speculation (the server's default: it verifies only what it expects to pay at this batch size).
+Throughput is generated tokens over wall time, prefills included. Verification stops being free as
+batches grow, so a smaller block can win at larger batches: pass several --block-sizes to measure that.
 
     python scripts/bench_batch.py --target smollm2-135m-instruct \
         --draft checkpoints/smollm2-135m-instruct-dflash --batch-sizes 1,4,8,16 --block-sizes 16,8 \
-        --prompts 32 --max-new-tokens 128 --out batch.json
+        --prompts 32 --max-new-tokens 128 --rounds 3 --out batch.json
 
-Run it on an otherwise idle machine; numbers from a busy one say little.
+Run it on an otherwise idle machine; numbers from a busy one say little. A 2-core VM drifts by up
+to 25% over minutes even so: `--rounds 3` runs every method three times, interleaved, and reports
+the median round.
 """
 
 from __future__ import annotations
@@ -38,6 +40,27 @@ def ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def measure(target, draft, blocks, batch_size, prompts, config, rounds: int) -> dict:
+    """Plain, each block size and adaptive at one batch size, `rounds` times in a rotating order, so that
+    the machine's drift over minutes reaches every method alike. Per method: the median round's run
+    (by tokens/s), with every round's tokens/s beside it."""
+    methods = ["plain", *map(str, blocks), "adaptive"]
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for r in range(rounds):
+        for m in methods[r % len(methods) :] + methods[: r % len(methods)]:
+            if m == "plain":
+                runs[m].append(run(target, None, None, batch_size, prompts, config))
+            elif m == "adaptive":
+                runs[m].append(run(target, draft, max(blocks), batch_size, prompts, config, adaptive=True))
+            else:
+                runs[m].append(run(target, draft, int(m), batch_size, prompts, config))
+    out = {}
+    for m, rs in runs.items():
+        median = sorted(rs, key=lambda x: x["tokens_per_s"])[len(rs) // 2]
+        out[m] = {**median, "rounds_tokens_per_s": [x["tokens_per_s"] for x in rs]}
+    return out
 
 
 def label(block) -> str:
@@ -93,6 +116,7 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs per method and batch size, interleaved")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.prompts < max(args.batch_sizes):
@@ -116,14 +140,13 @@ def main():
     run(target, draft, blocks[0], 2, prompts[:2], GenerationConfig(8, stop_ids=target.stop_ids))  # warm-up
 
     rows = []
+    methods = [*blocks, "adaptive"]
     for bs in args.batch_sizes:
-        plain = run(target, None, None, bs, prompts, config)
+        runs = measure(target, draft, blocks, bs, prompts, config, args.rounds)
+        plain = runs.pop("plain")
         row = {"batch_size": bs, "plain": {k: v for k, v in plain.items() if k != "outputs"}, "dflash": {}}
-        for block in [*blocks, "adaptive"]:
-            if block == "adaptive":
-                spec = run(target, draft, max(blocks), bs, prompts, config, adaptive=True)
-            else:
-                spec = run(target, draft, block, bs, prompts, config)
+        for block in methods:
+            spec = runs[str(block)]
             same = sum(a == b for a, b in zip(spec.pop("outputs"), plain["outputs"], strict=True))
             spec["speedup"] = spec["tokens_per_s"] / plain["tokens_per_s"]
             spec["rows_identical_to_plain"] = same
@@ -136,7 +159,6 @@ def main():
             )
         rows.append(row)
 
-    methods = [*blocks, "adaptive"]
     head = "| batch | plain tok/s | " + " | ".join(f"{label(b)} tok/s (tau) | speedup" for b in methods)
     print("\n" + head + " | best |")
     print("|" + "---|" * (3 + 2 * len(methods)))
