@@ -74,6 +74,8 @@ def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.T
     flat = p.reshape(-1, p.shape[-1]).double()
     cdf = flat.cumsum(-1)
     total = cdf[:, -1:]
+    if not bool((total > 0).all() and total.isfinite().all()):
+        raise ValueError("cannot sample: a row of probabilities sums to 0, inf or nan")
     u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device) * total
     # Token i covers [cdf[i-1], cdf[i]): a token of probability 0 covers nothing and is never drawn. u
     # stays below the total even where the product rounds up, so the token found always exists.

@@ -4,7 +4,8 @@ Both trees' `generate` run alternately, round after round, on twin copies of one
 (about 100M parameters) and one 2-layer DFlash draft, so that the machine's drift (clock, other load)
 hits both alike: separate processes, one after the other, differed by 30% between rounds on our 2-core
 machine. The older tree is imported under another package name (its imports are all relative).
-Prints per round the paired ratio of decode time, then the medians; goal: after / before <= 1.03.
+Prints per round the paired ratio of prefill and decode time (decode time alone before 2026-12-02),
+then the medians; goal: after / before <= 1.03.
 
     python scripts/engine_speed.py [--before /tmp/flashdraft-28efc1d] [--rounds 8] [--dtype float32]
     python scripts/engine_speed.py --before /tmp/old --target smollm2-135m-instruct \

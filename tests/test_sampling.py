@@ -255,3 +255,10 @@ def test_sample_never_draws_past_the_last_token_with_mass(monkeypatch):
     p = torch.tensor([[0.25, 0.75, 0.0, 0.0]], dtype=torch.float64)
     monkeypatch.setattr(sampling.torch, "rand", lambda *a, **kw: torch.ones(1, 1, dtype=torch.float64))
     assert sampling.sample(p).tolist() == [1]
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan")])
+def test_sample_refuses_a_row_without_mass(bad):
+    p = torch.tensor([[0.5, 0.5], [bad, bad]], dtype=torch.float64)
+    with pytest.raises(ValueError, match="sums to 0, inf or nan"):
+        sampling.sample(p)
