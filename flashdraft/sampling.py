@@ -71,12 +71,11 @@ def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.T
     """One token per row of p (..., V) -> (...), by inverting the cumulative distribution (in float64)
     at one uniform draw per row. `torch.multinomial` draws one exponential per vocabulary entry
     instead: 7 ms for a drafted block of 7 rows of 49k on a 2-core CPU."""
-    flat = p.reshape(-1, p.shape[-1]).double()
-    cdf = flat.cumsum(-1)
+    cdf = p.reshape(-1, p.shape[-1]).cumsum(-1, dtype=torch.float64)
     total = cdf[:, -1:]
     if not bool((total > 0).all() and total.isfinite().all()):
         raise ValueError("cannot sample: a row of probabilities sums to 0, inf or nan")
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device) * total
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64, device=cdf.device) * total
     # Token i covers [cdf[i-1], cdf[i]): a token of probability 0 covers nothing and is never drawn. u
     # stays below the total even where the product rounds up, so the token found always exists.
     u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))
