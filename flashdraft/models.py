@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .files import usual_mode
 from .target import Target, TargetError
 
 log = logging.getLogger("flashdraft")
@@ -304,6 +305,8 @@ def convert_gguf(src: GgufSource, dest: Path, source_info: dict | None = None) -
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            usual_mode(f)  # transformers writes its weights 0600; the cache may be shared
         write_manifest(tmp, {"gguf": src.path.name, "gguf_sha256": src.sha256, **(source_info or {})})
         _install(tmp, dest)
     finally:
@@ -440,22 +443,34 @@ def local_dir(spec: str | os.PathLike) -> Path:
     return hub_snapshot(str(spec))
 
 
+def target_kind(spec: str | os.PathLike) -> str:
+    """What a --target names, checked without loading anything: "builtin", "gguf", "dir" or "hub"
+    (a Hub id is looked up when loaded). TargetError when it names nothing loadable."""
+    text, path = str(spec), Path(spec).expanduser()
+    if text in MODELS:
+        return "builtin"
+    if text.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise ModelError(f"GGUF file {path} not found")
+        return "gguf"
+    if path.is_dir():
+        return "dir"
+    if HUB_ID.fullmatch(text) and not path.exists():
+        return "hub"
+    raise TargetError(
+        f"target {text!r} is not a built-in name ({', '.join(known_names())}), a .gguf file, a local "
+        "model directory with config.json or a Hugging Face Hub id (owner/name)"
+    )
+
+
 def load_target(
     spec: str | os.PathLike, dtype: torch.dtype | str | None = "auto", device: str = "cpu"
 ) -> Target:
     """A target from a built-in name (`flashdraft models`), a local `.gguf` file or a local HF checkpoint
     directory. Built-in names and GGUF files are converted once and cached (see `flashdraft.models`)."""
-    text = str(spec)
-    if text in MODELS:
+    kind, text, path = target_kind(spec), str(spec), Path(spec).expanduser()
+    if kind == "builtin":
         return load_hf_model(text, dtype, device)
-    path = Path(spec).expanduser()
-    if text.lower().endswith(".gguf"):
+    if kind == "gguf":
         return load_gguf(path, dtype, device)
-    if path.is_dir():
-        return Target.from_pretrained(path, dtype=dtype, device=device)
-    if HUB_ID.fullmatch(text):
-        return Target.from_pretrained(hub_snapshot(text), dtype=dtype, device=device)
-    raise TargetError(
-        f"target {text!r} is not a built-in name ({', '.join(known_names())}), a .gguf file, a local "
-        "model directory with config.json or a Hugging Face Hub id (owner/name)"
-    )
+    return Target.from_pretrained(path if kind == "dir" else hub_snapshot(text), dtype=dtype, device=device)

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import hmac
 import json
 import logging
 import math
 import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -41,7 +43,7 @@ from .sampling import SamplingConfig
 log = logging.getLogger("flashdraft.serve")
 
 # OpenAI parameters that would change the output and that this server does not implement: refused
-# with a 400 rather than silently ignored. Unknown fields are ignored, as OpenAI-compatible servers do.
+# with a 400 rather than silently ignored. Unknown fields get a 400 too, as OpenAI answers them.
 UNSUPPORTED = (
     "logprobs",
     "top_logprobs",
@@ -71,6 +73,9 @@ UNSUPPORTED = (
     "reasoning_effort",
 )
 NEUTRAL = {"repetition_penalty": 1}  # a value that changes nothing is accepted (besides 0, false, empty)
+# OpenAI fields that change no output (bookkeeping, caching, billing): accepted and ignored.
+IGNORED = ("user", "safety_identifier", "prompt_cache_key", "metadata", "store", "service_tier")
+ROLES = ("system", "developer", "user", "assistant")  # "developer" is OpenAI's new name for "system"
 
 
 class ApiError(Exception):
@@ -88,10 +93,17 @@ class ApiError(Exception):
 # -- requests ------------------------------------------------------------------------------------
 
 
-class _Request(BaseModel):
-    """Fields shared by both endpoints. Ranges are checked by hand so the message can name the fix."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool | None = None
 
-    model_config = ConfigDict(extra="allow")
+
+class _Request(BaseModel):
+    """Fields shared by both endpoints, strictly typed as OpenAI types them (`"8"` is not an integer);
+    ranges are checked by hand so the message can name the fix. Other fields land in `model_extra`,
+    where `App._check_common` refuses the unsupported and the unknown ones."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     max_tokens: int | None = None
     temperature: float | None = None  # OpenAI's default is 1.0
@@ -99,15 +111,17 @@ class _Request(BaseModel):
     top_k: int | None = None  # vLLM / SGLang extension; -1 or 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    n: int = 1
-    ignore_eos: bool = False  # vLLM extension
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    ignore_eos: bool | None = False  # vLLM extension
+    response_format: dict | None = None
 
 
 class ChatRequest(_Request):
     messages: list[dict]
     max_completion_tokens: int | None = None
+    chat_template_kwargs: dict | None = None  # vLLM extension
 
 
 class CompletionRequest(_Request):
@@ -429,12 +443,28 @@ async def _read_json(request, limit: int) -> dict:
 
 
 def _validated(model: type[BaseModel], data: dict):
+    """The request as `model`, or a 400 naming the field, what was sent and what it should be."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"]) or "body"
-        raise ApiError(400, f"invalid `{where}`: {err['msg']}", param=where) from None
+        errs = e.errors(include_url=False)
+        loc = errs[0]["loc"]
+        param = str(loc[0]) if loc else "body"
+        if errs[0]["type"] == "missing":
+            raise ApiError(400, f"`{param}` is required: add it to the request", param) from None
+        if errs[0]["type"] == "extra_forbidden":
+            where = ".".join(str(x) for x in loc)
+            raise ApiError(400, f"unknown field `{where}`: leave it out", param) from None
+        # a union (`stop`: a string or a list of strings) gives one error per alternative
+        wants = dict.fromkeys(
+            x["msg"].removeprefix("Input should be ").replace("valid dictionary", "JSON object")
+            for x in errs
+            if x["loc"][:1] == loc[:1]
+        )
+        where = ".".join(str(x) for x in loc[: 2 if len(loc) > 1 and isinstance(loc[1], int) else 1])
+        got = json.dumps(errs[0]["input"])
+        got = got if len(got) <= 40 else got[:37] + "..."
+        raise ApiError(400, f"invalid `{where}`: got {got}, send {' or '.join(wants)}", param) from None
 
 
 class App:
@@ -465,14 +495,21 @@ class App:
                 "model",
                 "model_not_found",
             )
-        if req.n != 1:
+        if req.n not in (None, 1):
             raise ApiError(400, f"n must be 1 (one choice per request), got {req.n}", "n")
-        for key in UNSUPPORTED:
-            value = (req.model_extra or {}).get(key)
+        for key, value in (req.model_extra or {}).items():
+            if key in IGNORED:
+                continue
+            if key not in UNSUPPORTED:
+                raise ApiError(
+                    400,
+                    f"unknown field `{key}`: leave it out (this server takes OpenAI's parameters and the "
+                    "vLLM extensions top_k, ignore_eos and chat_template_kwargs)",
+                    key,
+                )
             if value not in (None, False, 0, [], {}, NEUTRAL.get(key)):
                 raise ApiError(400, f"`{key}` is not supported by this server: leave it out", key)
-        fmt = (req.model_extra or {}).get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        if (req.response_format or {}).get("type", "text") != "text":
             raise ApiError(400, "only response_format type 'text' is supported", "response_format")
 
     def _sampling(self, req: _Request) -> SamplingConfig:
@@ -492,18 +529,31 @@ class App:
             raise ApiError(400, "`messages` is empty: send at least one message", "messages")
         msgs = []
         for i, m in enumerate(req.messages):
-            content = m.get("content")
+            role, content = m.get("role"), m.get("content")
+            if role not in ROLES:
+                raise ApiError(
+                    400, f"messages[{i}].role is {role!r}: send one of {', '.join(ROLES)}", "messages"
+                )
             if isinstance(content, list):  # content parts: text only
                 if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                     raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
-                content = "".join(str(p.get("text", "")) for p in content)
-            if not isinstance(m.get("role"), str) or not isinstance(content, str | None):
-                raise ApiError(400, f"messages[{i}] needs a string `role` and a string `content`", "messages")
-            msgs.append({"role": m["role"], "content": content or ""})
+                if any(not isinstance(p.get("text"), str) for p in content):
+                    raise ApiError(
+                        400, f"messages[{i}]: a text content part needs a string `text`", "messages"
+                    )
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                got = "null or missing" if content is None else f"a {type(content).__name__}"
+                raise ApiError(400, f"messages[{i}].content is {got}: send a string", "messages")
+            # what OpenAI's own replies carry (refusal, tool_calls, ...) may come back empty
+            extra = [k for k, v in m.items() if k not in ("role", "content") and v not in (None, [], {}, "")]
+            if extra:
+                raise ApiError(400, f"messages[{i}].{extra[0]} is not supported: leave it out", "messages")
+            msgs.append({"role": "system" if role == "developer" else role, "content": content})
         if not getattr(self.tok, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions")
         try:
-            kwargs = check_kwargs((req.model_extra or {}).get("chat_template_kwargs") or {})
+            kwargs = check_kwargs(req.chat_template_kwargs or {})
         except ValueError as e:
             raise ApiError(400, f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
         try:
@@ -560,7 +610,7 @@ class App:
             stop_ids=[] if req.ignore_eos else self.stop_ids,
             seed=req.seed,
         )
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prefix = "chatcmpl-" if chat else "cmpl-"
         return _Job(prefix + uuid.uuid4().hex, chat, ids, cfg, stops, include_usage)
 
@@ -791,8 +841,26 @@ class ServeConfig:
     log_level: str = "info"
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening): a busy port is one line at once, before the models
+    load, and the "running on" banner is printed only for a port that is ours. As uvicorn binds."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may find the port in TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        sock.close()
+        if getattr(e, "errno", None) == errno.EADDRINUSE:
+            raise ValueError(
+                f"port {port} on {host} is already in use (another server?): pass another --port, "
+                "or stop the program that holds it"
+            ) from None
+        raise ValueError(f"cannot listen on {host}:{port} ({e}): pass another --host or --port") from None
+    return sock
+
+
 def serve(cfg: ServeConfig) -> None:
-    """Load the models, start the scheduler thread and serve until interrupted."""
+    """Bind the port, load the models, start the scheduler thread and serve until interrupted."""
     import uvicorn
 
     from .draft import DFlashDraft
@@ -801,6 +869,7 @@ def serve(cfg: ServeConfig) -> None:
 
     if cfg.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be >= 1, got {cfg.max_batch_size}")
+    sock = bind(cfg.host, cfg.port)
     device = str(resolve_device(cfg.device))  # the one "auto" rule of every verb; refuses a missing GPU
     dtype = resolve_dtype(cfg.dtype, device)
     target = load_target(cfg.target, dtype, device)
@@ -831,10 +900,11 @@ def serve(cfg: ServeConfig) -> None:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it", cfg.host)
     print(
         f"flashdraft serve: {cfg.model_name or cfg.target} ({'draft ' + cfg.draft if cfg.draft else 'no draft'}, "
-        f"{dtype} on {device}, batch <= {cfg.max_batch_size}) on http://{cfg.host}:{cfg.port}/v1",
+        f"{dtype} on {device}, batch <= {cfg.max_batch_size}) on http://{cfg.host}:{sock.getsockname()[1]}/v1",
         flush=True,
     )
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def cmd_serve(args) -> int:

@@ -68,6 +68,22 @@ def resolve_dtype(
     return DTYPES[dtype]
 
 
+def check_model_dir(path: Path) -> None:
+    """TargetError unless `path` looks like a target checkpoint: read without loading (the CLI checks this
+    before anything loads), so a draft passed as the target is named as such."""
+    if not (path / "config.json").is_file():
+        raise TargetError(f"{path} is not a model directory (no config.json): pass a local HF checkpoint")
+    try:
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (json.JSONDecodeError, AttributeError):
+        architectures = []
+    if "DFlashDraftModel" in architectures:
+        raise TargetError(
+            f"{path} is a DFlash draft, not a target model: pass it as --draft, and the model it was "
+            "trained for as --target"
+        )
+
+
 class Target:
     def __init__(self, model: nn.Module, tokenizer=None):
         self.model = model.eval().requires_grad_(False)
@@ -103,17 +119,7 @@ class Target:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise TargetError(f"{path} is not a model directory (no config.json): pass a local HF checkpoint")
-        try:
-            architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
-        except (json.JSONDecodeError, AttributeError):
-            architectures = []
-        if "DFlashDraftModel" in architectures:
-            raise TargetError(
-                f"{path} is a DFlash draft, not a target model: pass it as --draft, and the model it was "
-                "trained for as --target"
-            )
+        check_model_dir(path)
         dtype = resolve_dtype(dtype, device)
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True, output_loading_info=True

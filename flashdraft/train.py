@@ -72,6 +72,7 @@ from .train_state import (
     barrier,
     check_resume,
     checkpoint_dirs,
+    checkpoint_name,
     load_checkpoint,
     read_state,
     save_checkpoint,
@@ -585,10 +586,8 @@ def _loop(run: Run, start: int) -> tuple[int, float]:
                     if res:
                         run.last.update(res)
                         run.log_metrics({"step": step, "epoch": epoch, **res})
-                if step > start and (
-                    run.last_ckpt is None or not str(run.last_ckpt).endswith(f"step-{step}")
-                ):
-                    _save(run, step, epoch, j + 1)
+                if step > start and (run.last_ckpt is None or run.last_ckpt.name != checkpoint_name(step)):
+                    _save(run, step, epoch, j + 1)  # unless the last step was just saved
                 break
             while epoch < 0 or step >= first_in_epoch + len(plan):
                 if epoch >= 0:
@@ -657,8 +656,9 @@ def _finish(run: Run, blocks_done: int, busy_s: float) -> dict:
         }
         write_json(out / "summary.json", summary, indent=1)
         tau_txt = " -> ".join(f"{t:.3f}" for _, t in taus) if taus else "not evaluated"
+        loss_txt = " -> ".join(f"{x:.4f}" for x in (losses[0], losses[-1])) if losses else "-"
         run.log(
-            f"done: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['last_loss']}, tau {tau_txt}, "
+            f"done: {summary['steps']} steps, loss {loss_txt}, tau {tau_txt}, "
             f"{summary['blocks_per_s']} blocks/s, {summary['wall_s']} s; draft in {out / 'draft'}"
         )
     barrier(run.d)

@@ -71,7 +71,7 @@ class TrainConfig:
     max_steps: int | None = None
     max_minutes: float | None = None  # train this long (evaluations excluded); the LR schedule follows time
     save_dtype: str = "bfloat16"  # dtype of the final draft in OUT/draft
-    # Sample efficiency (README, "Choices that raise tau per CPU-hour"): what the draft learns from and starts from.
+    # Sample efficiency (docs/training.md, "Choices that raise tau per CPU-hour"): what the draft learns from and starts from.
     distill: bool = False  # KL to the target's own next-token distribution instead of CE on the data token
     head_vocab: int = 0  # loss over the N most frequent response tokens only (0: the whole vocabulary)
     init_from_target: bool = False  # draft layers start as copies of the target's top layers

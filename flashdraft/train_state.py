@@ -118,6 +118,11 @@ def unsharded(draft, d: Dist) -> DFlashDraft | None:
     return copy
 
 
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint after `step` optimizer steps (zero-padded: sorts by step)."""
+    return f"step-{step:08d}"
+
+
 def checkpoint_dirs(out: Path) -> list[Path]:
     """Complete checkpoints (renamed into place, so complete by construction), oldest first."""
     root = out / "checkpoints"
@@ -173,8 +178,8 @@ def save_checkpoint(out: Path, step: int, draft, optimizer, d: Dist, state: dict
     if d.main:
         root = out / "checkpoints"
         root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step-{step:08d}"
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step:08d}.", suffix=".tmp"))
+        final = root / checkpoint_name(step)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".tmp"))
         try:
             whole.save_pretrained(tmp)
             tensors = {}

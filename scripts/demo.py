@@ -3,7 +3,9 @@
 Uses the shipped draft under checkpoints/ when there is one; otherwise it makes a random draft
 (which accepts almost nothing: the point is then the loop, and that output equals plain decoding).
 Each prompt is answered twice, plain then DFlash, both streamed; the speedup is the ratio of decode
-times per token (prefill excluded, as in the paper), summed over all prompts.
+times per token (prefill excluded, as in the paper), summed over all prompts. Timings taken while other
+jobs share the cores mean nothing: the demo then says so, with the bench's own checks
+(`flashdraft.bench.timing_problems` and `load_problems`).
 """
 
 import argparse
@@ -14,6 +16,7 @@ import torch
 
 from flashdraft import DFlashDraft, GenerationConfig, generate, load_target
 from flashdraft.adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
+from flashdraft.bench import MachineLoad, load_problems, timing_problems
 from flashdraft.chat import chat_ids
 from flashdraft.cli import _TextStream
 from flashdraft.draft import init_draft_config
@@ -67,6 +70,8 @@ def main() -> int:
     )
     tok = target.tokenizer
     totals = {"plain": [0, 0.0], "dflash": [0, 0.0]}
+    committed, steps = 0, 0  # DFlash's decode tokens and its decode-time target forwards: tau
+    load = MachineLoad()
     for text in PROMPTS:
         ids = chat_ids(tok, [{"role": "user", "content": text}])
         print(f"> {text}")
@@ -79,18 +84,25 @@ def main() -> int:
             r = results[name] = generate(target, ids, prop, run, on_tokens=_TextStream(tok, sys.stdout))
             totals[name][0] += len(r.tokens)
             totals[name][1] += r.decode_s
+            load.sample()
             print()
         plain, spec = results["plain"], results["dflash"]
+        committed, steps = committed + sum(spec.acceptance_lengths), steps + len(spec.acceptance_lengths)
         same = plain.tokens == spec.tokens
         print(
             f"[plain {plain.tokens_per_s:.1f} tok/s | dflash {spec.tokens_per_s:.1f} tok/s, tau {spec.tau:.2f} | "
             f"{'same tokens as plain' if same else 'differs from plain (README, Lossless: dtype rounding)'}]\n"
         )
     (n_p, t_p), (n_d, t_d) = totals["plain"], totals["dflash"]
+    speedup = (n_d / t_d) / (n_p / t_p)
     print(
-        f"overall: plain {n_p / t_p:.1f} tok/s, dflash {n_d / t_d:.1f} tok/s, "
-        f"measured speedup {(n_d / t_d) / (n_p / t_p):.2f}x"
+        f"overall: plain {n_p / t_p:.1f} tok/s, dflash {n_d / t_d:.1f} tok/s, measured speedup {speedup:.2f}x"
     )
+    tau = committed / steps if steps else float("nan")
+    problems = timing_problems(speedup=speedup, tau=tau) + load_problems(load.summary())
+    if problems:
+        print(f"WARNING: implausible timings, the speedup above is not a measurement: {'; '.join(problems)}")
+        print("Rerun on an idle machine.")
     return 0
 
 

@@ -7,7 +7,8 @@ tau (tokens committed per row per verify step, from the server's /metrics) for b
 summary and writes it as JSON. Exit status 1 when any check fails.
 
     # start a server for the test (loopback, random key) and stop it afterwards
-    python scripts/load_test.py --target smollm2-135m-instruct --draft runs/my-draft/draft --out load.json
+    python scripts/load_test.py --target smollm2-135m-instruct --draft checkpoints/smollm2-135m-instruct-dflash \
+        --out load.json
     # or test a server that is already running
     python scripts/load_test.py --base-url http://127.0.0.1:8000/v1 --model smollm2-135m-instruct
 """

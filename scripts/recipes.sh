@@ -4,7 +4,7 @@
 #
 #   scripts/recipes.sh DATA[,DATA] OUTDIR [MINUTES]
 #
-# SET=options (default): README "Choices that raise tau per CPU-hour" (distillation, sub-vocabulary, init
+# SET=options (default): docs/training.md "Choices that raise tau per CPU-hour" (distillation, sub-vocabulary, init
 #   from the target, against the paper's plain recipe), evaluated by the real decode loop on $EVAL.
 # SET=budget: docs/recipe.md "Options for a short budget" (target features, anchors and batch, block size,
 #   against the campaign's recipe), evaluated by the offline walk on $REFS; at least 30 minutes per variant.

@@ -66,6 +66,29 @@ def make_hf_model(
 
 DRAFT_STD = 0.15  # the test targets' weight scale (make_hf_model)
 
+# Every option a draft config can carry beyond its shapes (DraftConfig: the extras of dflash_config,
+# the norm's eps, the rotary settings, sliding-window layers, which target layers it reads), each set to
+# a value that changes what the draft computes; "plain" has none. Tests of the equality of two code
+# paths (training and inference, batched and alone) run on every one, so a path that drops one is seen.
+DRAFT_OPTIONS = {
+    "plain": lambda cfg: {},
+    "input_embedding_scale": lambda cfg: {"extra": {"input_embedding_scale": 3.0}},
+    "output_multiplier": lambda cfg: {"extra": {"output_multiplier": 1.7}},
+    "final_logit_softcapping": lambda cfg: {"extra": {"final_logit_softcapping": 2.0}},
+    "rms_norm_eps": lambda cfg: {"rms_norm_eps": 0.5},
+    "rope_theta": lambda cfg: {"rope_theta": 500.0},
+    "rope_scaling": lambda cfg: {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    },
+    "sliding_window": lambda cfg: {
+        "layer_types": ["sliding_attention"] + ["full_attention"] * (cfg.num_hidden_layers - 1),
+        "sliding_window": 3,
+    },
+    "three_features": lambda cfg: {
+        "target_layer_ids": [0, cfg.num_target_layers // 2, cfg.num_target_layers - 1]
+    },
+}
+
 
 def make_draft(
     target_model,
@@ -75,15 +98,18 @@ def make_draft(
     mask_token_id: int = 3,
     dtype=torch.float64,
     target_layer_ids=None,
+    option: str = "plain",
 ) -> DFlashDraft:
     """A random draft; by default it reads target layers 1 and the last one (whose HF hidden state is
     the final-normed output, a case the feature hooks must get right). Its weights are as wide as the
     test targets' (std DRAFT_STD): with the default 0.02 a draft on a tied-embedding target drafts the
-    mask token whatever the context, and every test of context handling would be empty."""
+    mask token whatever the context, and every test of context handling would be empty. `option`
+    turns on one of DRAFT_OPTIONS (the same weights otherwise)."""
     torch.manual_seed(seed)
     n = target_model.config.num_hidden_layers
     ids = target_layer_ids or [1, n - 1]
     cfg = init_draft_config(target_model.config, layers, mask_token_id, block_size, ids)
+    cfg = cfg.replace(**DRAFT_OPTIONS[option](cfg))
     draft = DFlashDraft(cfg)
     draft.reset_parameters(std=DRAFT_STD, generator=torch.Generator().manual_seed(seed))
     return draft.to(dtype)

@@ -17,12 +17,33 @@ from flashdraft import (
     DFlashProposer,
     GenerationConfig,
     NgramProposer,
+    Proposer,
     SamplingConfig,
     Target,
     generate,
     generate_batch,
 )
 from flashdraft.adaptive import EXPLORE, AdaptiveProposer, Calibration, LinearCost, RowState
+
+# What the engine's clock would say of each step, in a CPU-like ratio: a plain step (one token per row)
+# PLAIN_S per row, a speculative verify of n tokens VERIFY_S + PER_TOKEN_S * n (more than a plain step
+# even at one token: matrix-vector kernels give way to matrix-matrix ones), a draft call DRAFT_S.
+PLAIN_S, VERIFY_S, PER_TOKEN_S, DRAFT_S = 1.0, 1.2, 0.05, 0.4
+
+
+@pytest.fixture(autouse=True)
+def fixed_costs(monkeypatch):
+    """A unit test must not time anything: the timings the engine hands the adaptive proposer are
+    replaced by the fixed cost model above, so every decision follows from acceptance alone and a
+    loaded machine (whose steps take 1 to 40 times their cost) changes nothing."""
+    observe = AdaptiveProposer.observe
+
+    def fixed(self, rows, ks, n, draft_s, verify_s, verify_tokens):
+        plain = verify_tokens == len(rows)
+        verify = PLAIN_S * len(rows) if plain else VERIFY_S + PER_TOKEN_S * verify_tokens
+        observe(self, rows, ks, n, DRAFT_S, verify, verify_tokens)
+
+    monkeypatch.setattr(AdaptiveProposer, "observe", fixed)
 
 
 @pytest.mark.parametrize("arch_name", ["llama", "gemma3"])
@@ -206,3 +227,18 @@ def test_where_the_draft_does_not_pay_a_new_request_backs_off_at_once(tiny_llama
         generate(tiny_llama, prompt, adaptive, GenerationConfig(80, block_size=8))
         calls.append(adaptive.stats["draft_steps"] - before)
     assert calls[0] >= 6 and calls[1] <= 3, calls  # 1, 2, 4, ... 64 steps apart; then 16, 32
+
+
+def test_the_draft_call_is_part_of_what_a_draft_step_costs():
+    """Draft or not weighs a draft step's whole cost, draft call included, against a plain step, from the
+    costs given (no clock): a row that gains 0.5 tokens per draft step, verifying one, pays with a cheap
+    draft call (1.5 / (0.01 + 1.2 + 2 * 0.05) > 1 / 1.0) and not with a dear one (1.5 / (0.4 + 1.3) < 1)."""
+    adaptive = AdaptiveProposer(Proposer())  # a drafting proposer; its calls are not made here
+    adaptive.plain_cost.add(1, PLAIN_S)
+    for n in (2, 8):
+        adaptive.verify_cost.add(n, VERIFY_S + PER_TOKEN_S * n)
+    row = RowState(gain=0.5, verified=1.0)
+    adaptive.draft_s = 0.01
+    assert adaptive.wants_draft(row, 1)
+    adaptive.draft_s = DRAFT_S
+    assert not adaptive.wants_draft(row, 1)

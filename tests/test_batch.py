@@ -14,13 +14,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import ARCHS, make_draft, make_hf_model
+from conftest import ARCHS, DRAFT_OPTIONS, make_draft, make_hf_model
 from scipy.stats import chisquare
 from test_sampling import _resample_from_p  # the same broken rule the batch-1 power test uses
 
 import flashdraft.engine as engine
 from flashdraft import (
-    DFlashDraft,
     DFlashProposer,
     Engine,
     GenerationConfig,
@@ -74,6 +73,7 @@ class RecordingDFlash(DFlashProposer):
         self.drafted = collections.defaultdict(list)
         self.logits = collections.defaultdict(list)
         self.qs = []
+        self.q_expected = []
 
     def propose(self, rows, ks):
         out = super().propose(rows, ks)
@@ -83,6 +83,8 @@ class RecordingDFlash(DFlashProposer):
                 self.logits[row.request_id].append(self.last_logits[b, : len(d)])
             if q is not None:
                 self.qs.append(q)
+                # q must be the distribution this block was sampled from, position by position
+                self.q_expected.append(probs(self.last_logits[b : b + 1, : len(d)], row.sampling))
         return out
 
 
@@ -455,30 +457,42 @@ def test_padding_equal_to_the_true_next_token_is_never_accepted(tiny_llama):
     assert seen["0"]["tokens"] == truths["0"] and seen["1"]["tokens"] == truths["1"]
 
 
-def test_sliding_window_draft_batched_equals_single_row(tiny_llama):
-    """A draft with a sliding-window layer (window 3, shorter than its block) runs in batches: every row
-    drafts exactly the blocks it drafts alone, and outputs stay plain greedy. The window must matter:
-    the same weights without it draft other blocks."""
-    full = make_draft(tiny_llama.model, block_size=4)
-    cfg = full.config.replace(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
-    windowed = DFlashDraft(cfg).to(torch.float64)
-    windowed.load_state_dict(full.state_dict())
+@pytest.mark.parametrize("option", [*DRAFT_OPTIONS, "draft_vocab"])
+def test_draft_options_batched_equal_single_row(tiny_llama, option):
+    """A draft with each config option on (conftest.DRAFT_OPTIONS: embedding scale, logit multiplier and
+    softcap, norm eps, rotary settings, a sliding-window layer of window 3 (shorter than its block), three
+    target features) or a draft vocabulary runs in batches of rows of mixed lengths: every row drafts
+    exactly the blocks and logits it drafts alone, and outputs stay plain greedy. The option must matter:
+    the plain draft (the same weights otherwise) drafts other logits."""
+    if option == "draft_vocab":
+        draft = make_draft(tiny_llama.model, block_size=4)
+        draft.set_vocab(list(range(1, 128, 2)))
+    else:
+        draft = make_draft(tiny_llama.model, block_size=4, option=option)
+    plain_draft = make_draft(tiny_llama.model, block_size=4)
     rng = random.Random(11)
     prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 15))] for _ in range(5)]
     configs = [GenerationConfig(rng.randint(5, 20)) for _ in prompts]
-    alone, alone_full = [], []
+    alone, alone_logits, plain_logits = [], [], []
     for p, c in zip(prompts, configs, strict=True):
-        for draft, out in ((windowed, alone), (full, alone_full)):
-            single = RecordingDFlash(draft, tiny_llama)
+        for d, blocks, logits in ((draft, alone, alone_logits), (plain_draft, None, plain_logits)):
+            single = RecordingDFlash(d, tiny_llama)
             res = generate(tiny_llama, p, single, c)
             assert res.tokens == generate(tiny_llama, p, None, c).tokens
-            out.append(single.drafted["0"])
-    assert alone != alone_full, "the window changed no drafted block: the test cannot see it"
-    batched = RecordingDFlash(windowed, tiny_llama)
+            if blocks is not None:
+                blocks.append(single.drafted["0"])
+            logits.append(single.logits["0"])
+    assert option == "plain" or any(
+        x.shape != y.shape or not torch.allclose(x, y, atol=1e-6)
+        for xs, ys in zip(alone_logits, plain_logits, strict=True)
+        for x, y in zip(xs, ys, strict=False)
+    ), f"{option} changed no drafted logit: the test cannot see it"
+    batched = RecordingDFlash(draft, tiny_llama)
     seen = run_decoder(Engine(tiny_llama, proposer=batched, max_batch_size=3), prompts, configs)
     for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
         assert seen[str(i)]["tokens"] == generate(tiny_llama, p, None, c).tokens
         assert batched.drafted[str(i)] == alone[i], i
+        assert_same_logits(batched.logits[str(i)], alone_logits[i], (option, i))
 
 
 def test_sampling_with_a_spread_draft_alone_and_batched():
@@ -489,7 +503,9 @@ def test_sampling_with_a_spread_draft_alone_and_batched():
 
     model = make_hf_model("llama", vocab=V, layers=2)
     target = Target(model)
-    draft = make_draft(model, layers=1, mask_token_id=5, block_size=4)
+    # seed 2: the two drafted positions' q differ (total variation 0.10; seed 0's differ by 0.01, and a
+    # verifier that swapped them went unseen)
+    draft = make_draft(model, layers=1, mask_token_id=5, block_size=4, seed=2)
     cfg = SamplingConfig(1.0)
     exact = exact_joint(model, cfg)
     alone = RecordingDFlash(draft, target)
@@ -504,21 +520,49 @@ def test_sampling_with_a_spread_draft_alone_and_batched():
     for spy in (alone, batched):
         top = torch.cat([q.reshape(-1, V) for q in spy.qs]).max(-1).values
         assert top.mean() < 0.9, f"q is nearly one-hot (mean top probability {top.mean():.3f})"
+        assert all(torch.equal(q, e) for q, e in zip(spy.qs, spy.q_expected, strict=True)), (
+            "the verifier got a q other than the block's sampling distribution"
+        )
+    q = alone.qs[0].reshape(-1, V)
+    assert (q[0] - q[1]).abs().sum() / 2 > 0.05, "q is the same at both positions: a swap would go unseen"
 
 
 def test_speculative_counters_match_the_commits(tiny_llama):
-    """The vLLM-style counters that /metrics exports: accepted drafted tokens are the commits beyond one
-    per verify step (a length cut drops at most one per row); per position they add up and never grow."""
+    """The vLLM-style counters that /metrics exports, exactly as the oracle's proposals imply: every
+    row-step with a non-empty proposal is a draft, its tokens are drafted tokens, and (greedy) the
+    accepted ones are its longest prefix that agrees with the row's true continuation, counted per
+    block position; accepted drafted tokens are the commits beyond one per verify step, bar the
+    ones a row's length cut."""
     rng = random.Random(4)
     prompts = [[rng.randrange(128) for _ in range(rng.randint(2, 9))] for _ in range(5)]
     truths = {
         str(i): generate(tiny_llama, p, None, GenerationConfig(40)).tokens for i, p in enumerate(prompts)
     }
-    dec = Engine(tiny_llama, proposer=BatchOracle(truths, 128, rng), block_size=6, max_batch_size=3)
-    run_decoder(dec, prompts, [GenerationConfig(40)] * len(prompts))
+    proposed = []  # (request, tokens committed before, proposal)
+
+    class Recording(BatchOracle):
+        def propose(self, rows, ks):
+            out = super().propose(rows, ks)
+            proposed.extend(
+                (r.request_id, len(r.tokens), d.tolist()) for r, (d, _) in zip(rows, out, strict=True)
+            )
+            return out
+
+    dec = Engine(tiny_llama, proposer=Recording(truths, 128, rng), block_size=6, max_batch_size=3)
+    configs = [GenerationConfig(rng.randint(20, 40)) for _ in prompts]
+    run_decoder(dec, prompts, configs)
+    drafts = [(rid, done, d) for rid, done, d in proposed if d]
+    accepted = []
+    for rid, done, d in drafts:
+        truth = truths[rid][done : done + len(d)]
+        accepted.append(next((i for i, (x, y) in enumerate(zip(d, truth, strict=True)) if x != y), len(d)))
     st = dec.stats
-    gap = st["accepted_tokens"] - (st["committed"] - st["verify_steps"])
-    assert 0 <= gap <= len(prompts), st
-    per = st["accepted_per_position"]
-    assert sum(per) == st["accepted_tokens"] and per == sorted(per, reverse=True)
-    assert st["draft_tokens"] > st["accepted_tokens"] > 0 and 0 < st["drafts"] <= st["verify_steps"]
+    assert st["drafts"] == len(drafts) and st["draft_tokens"] == sum(len(d) for _, _, d in drafts)
+    assert st["accepted_tokens"] == sum(accepted) > 0
+    top = max(accepted)
+    assert st["accepted_per_position"] == [sum(a > k for a in accepted) for k in range(top)]
+    committed = sum(c.max_new_tokens - 1 for c in configs)  # no stop ids: every row runs to its length
+    assert st["committed"] == committed and st["verify_steps"] == len(proposed)
+    cut = st["accepted_tokens"] - (committed - st["verify_steps"])  # drafts accepted past a row's length
+    assert 0 <= cut <= len(prompts)
+    assert any(len(d) < 5 for _, _, d in drafts) and len(drafts) < len(proposed)  # short and empty proposals

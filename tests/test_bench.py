@@ -11,11 +11,12 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_draft, make_hf_model
 
-from flashdraft import SamplingConfig, Target
+from flashdraft import SamplingConfig, Target, bench
 from flashdraft.bench import (
     BenchConfig,
     BenchError,
@@ -324,6 +325,7 @@ def test_cli_bench_writes_all_outputs(model_dirs, capsys):
     argv += ["--datasets", "mt-bench,gsm-symbolic-eval", "--samples", "1", "--max-new-tokens", "6"]
     argv += ["--methods", "dflash,reference", "--numerics-samples", "1"]  # block size: the draft's (4)
     argv += ["--numerics-max-new-tokens", "4", "--dtype", "float32", "--out", str(out), "--no-progress"]
+    argv += ["--allow-implausible"]  # a tiny model's timings on a shared machine: flags are its own test
     assert main(argv) == 0, capsys.readouterr().err
     res = json.loads((out / "results.json").read_text())
     assert [m["name"] for m in res["methods"]] == ["plain", "dflash-b4", "reference-b4"]
@@ -354,3 +356,182 @@ def test_cli_bad_input(model_dirs, tmp_path, extra, message, capsys):
     argv += ["--out", str(tmp_path), "--no-progress", "--dtype", "float32", *extra]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+# -- implausible timings are flagged ---------------------------------------------------------------
+
+
+def _record(speedup=1.4, tau=1.6, efficiency=0.85, plain_step_s=0.023, c_step_s=0.022):
+    """A fabricated bench result (summary, cost model) of one data set: plain and dflash-b16."""
+    plain = {"tau": 1.0, "speedup": 1.0, "decode_s": 100 * plain_step_s, "target_forwards": 100}
+    dflash = {"tau": tau, "speedup": speedup, "decode_s": 1.0, "target_forwards": 40}
+    summary = {"all": {"plain": plain, "dflash-b16": dflash}}
+    cost = {"all": {"dflash-b16": {"c_step_s": c_step_s, "efficiency": efficiency}}}
+    return summary, cost
+
+
+IDLE = {"cores": 2, "torch_threads": 2, "load_avg_mean": 1.9, "load_avg_max": 2.1, "others_share": 0.03}
+
+
+@pytest.mark.parametrize(
+    "record, load, where, problem",
+    [
+        (_record(speedup=13.4, tau=1.4), IDLE, "dflash-b16", "speedup 13.40x above tau 1.40"),
+        (_record(efficiency=1.43), IDLE, "dflash-b16", "efficiency 143% above 100%"),
+        (_record(plain_step_s=0.88, c_step_s=0.022), IDLE, "plain", "is 40.0x its calibrated cost"),
+        (_record(plain_step_s=0.008, c_step_s=0.022), IDLE, "plain", "is 0.4x its calibrated cost"),
+        (_record(), {**IDLE, "load_avg_mean": 3.6, "load_avg_max": 4.0}, None, "load average 3.6"),
+        (_record(), {**IDLE, "others_share": 0.45}, None, "other processes used 45%"),
+    ],
+)
+def test_implausible_timings_are_flagged(record, load, where, problem):
+    flags = bench.plausibility(*record, load)
+    assert [(f["dataset"], f["method"]) for f in flags] == [(None if where is None else "all", where)]
+    assert problem in flags[0]["problems"][0]
+
+
+def test_plausible_timings_are_not_flagged():
+    assert bench.plausibility(*_record(), IDLE) == []
+    # the bounds themselves (within the timing-noise slack) are plausible; missing numbers are not checked
+    assert bench.plausibility(*_record(speedup=1.6, efficiency=1.0, plain_step_s=0.044), IDLE) == []
+    assert bench.timing_problems(speedup=float("nan"), tau=1.0, step_s=None, calibrated_step_s=0.02) == []
+
+
+def test_machine_load_reads_the_load_average(monkeypatch):
+    """A busy machine is seen through os.getloadavg, also where /proc/stat does not exist."""
+    monkeypatch.setattr(bench, "_cpu_ticks", lambda: None)
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    for avg, busy in ((1.8, False), (6.5, True)):
+        monkeypatch.setattr(bench.os, "getloadavg", lambda avg=avg: (avg, avg, avg))
+        load = bench.MachineLoad()
+        load.sample()
+        summary = load.summary()
+        assert summary["load_avg_mean"] == avg and summary["cores"] == 2 and summary["others_share"] is None
+        assert bool(bench.load_problems(summary)) == busy
+
+
+def test_machine_load_counts_other_processes_cpu_time(monkeypatch):
+    """/proc/stat's busy ticks minus this process's own CPU time: what other processes (and the
+    hypervisor) took. 1000 ticks of all cores, 600 busy, this process 100 ticks: others 50%."""
+    ticks = iter([(1000, 10, 5000), (1600, 40, 6000)])
+    own = iter([2.0, 3.0])
+    monkeypatch.setattr(bench, "_cpu_ticks", lambda: next(ticks))
+    monkeypatch.setattr(bench, "_own_cpu_s", lambda: next(own))
+    monkeypatch.setattr(bench.os, "sysconf", lambda name: 100)
+    summary = bench.MachineLoad().summary()
+    assert summary["others_share"] == pytest.approx(0.5) and summary["steal_share"] == pytest.approx(0.03)
+    # others took a core's worth: too much beside 2 threads on 2 cores, not beside 1 thread on 4
+    assert "other processes used 50%" in bench.load_problems({**summary, "cores": 2, "torch_threads": 2})[0]
+    assert bench.load_problems({**summary, "cores": 4, "torch_threads": 1}) == []
+
+
+def test_cli_bench_flags_a_busy_machine_in_table_plot_and_exit_status(
+    model_dirs, tmp_path, monkeypatch, capsys
+):
+    """A load average far above the cores: exit status 3 with the reasons on stderr, IMPLAUSIBLE in the
+    table and the warning atop results.md; --allow-implausible writes the same and exits 0."""
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (40.0, 40.0, 40.0))
+    argv = ["bench", "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft")]
+    argv += ["--datasets", "mt-bench", "--samples", "1", "--max-new-tokens", "4", "--methods", "dflash"]
+    argv += ["--numerics-samples", "0", "--dtype", "float32", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == bench.EXIT_IMPLAUSIBLE
+    err = capsys.readouterr().err
+    assert "implausible timings" in err and "load average 40.0" in err and "--allow-implausible" in err
+    md = (tmp_path / "a" / "results.md").read_text()
+    assert "## WARNING: implausible timings" in md and "load average 40.0" in md
+    res = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert res["implausible"][0]["method"] is None and res["load"]["load_avg_mean"] == 40.0
+    assert (tmp_path / "a" / "speedup.png").is_file()
+    assert main([*argv, "--out", str(tmp_path / "b"), "--allow-implausible"]) == 0
+    assert "implausible timings" in capsys.readouterr().err
+
+
+def test_cli_bench_exits_0_on_plausible_timings(model_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "plausibility", lambda *a: [])  # tiny models on a shared machine: no verdict
+    argv = ["bench", "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft")]
+    argv += ["--datasets", "mt-bench", "--samples", "1", "--max-new-tokens", "4", "--methods", "dflash"]
+    argv += ["--numerics-samples", "0", "--dtype", "float32", "--no-progress", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert "IMPLAUSIBLE" not in capsys.readouterr().out + (tmp_path / "results.md").read_text()
+
+
+def test_implausible_rows_are_marked_in_the_markdown(greedy):
+    res, _, _ = greedy
+    flagged = {**res, "implausible": [{"dataset": "set-a", "method": "ngram", "problems": ["speedup 9x"]}]}
+    md = bench.render_markdown(flagged)
+    assert "## WARNING: implausible timings" in md and "- set-a ngram: speedup 9x" in md
+    rows = [line for line in md.splitlines() if line.startswith("| ngram |")]
+    assert rows[0].endswith("| IMPLAUSIBLE |") and not any(r.endswith("| IMPLAUSIBLE |") for r in rows[1:])
+    assert "WARNING" not in bench.render_markdown({**res, "implausible": []})
+
+
+# -- the numerics part benches the draft it was given ---------------------------------------------
+
+
+def test_cast_draft_keeps_the_draft_vocabulary(tiny):
+    target, draft = tiny
+    reduced = make_draft(target.model, layers=1, block_size=8)
+    reduced.set_vocab([0, 2, 3, 5, 7, 11, 13])
+    cast = bench._cast_draft(reduced, torch.float32)
+    assert next(cast.parameters()).dtype == torch.float32 and cast is not reduced
+    assert cast.vocab.tolist() == reduced.vocab.tolist()
+    hidden = torch.randn(1, 3, reduced.config.hidden_size, dtype=torch.float64)
+    want = reduced.propose_logits(hidden, target.lm_head)
+    head = torch.nn.Linear(target.lm_head.in_features, target.lm_head.out_features, bias=False)
+    head.weight.data = target.lm_head.weight.detach().float()
+    got = cast.propose_logits(hidden.float(), head)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want)) and torch.isfinite(want).sum() == 21
+
+
+# -- the bootstrap interval against a reference computation ----------------------------------------
+
+
+def test_bootstrap_interval_is_the_95_percent_percentile_interval():
+    """bootstrap_ci against scipy's percentile bootstrap of the same statistics (ratios of sums over the
+    resampled prompts, plain and method resampled together) at 95%. The resamples differ, so the
+    endpoints agree to Monte-Carlo precision; the 90% interval is far outside it (checked), so an
+    interval of another level cannot pass."""
+    from scipy.stats import bootstrap
+
+    rng = random.Random(7)
+    plain, runs = [], []
+    for _ in range(12):
+        n = rng.randint(20, 60)
+        plain.append(Run([0] * (n + 1), [1] * n, 0.1, n * rng.uniform(0.02, 0.03)))
+        lengths = [rng.randint(1, 6) for _ in range(rng.randint(5, 25))]
+        runs.append(Run([0] * (sum(lengths) + 1), lengths, 0.1, len(lengths) * rng.uniform(0.02, 0.06)))
+    idx = list(range(12))
+    ours_speedup, ours_tau = bench.bootstrap_ci(plain, runs, idx, n=20_000)
+
+    columns = [
+        [r.decode_s for r in plain],
+        [sum(r.lengths) for r in plain],
+        [r.decode_s for r in runs],
+        [sum(r.lengths) for r in runs],
+        [len(r.lengths) for r in runs],
+    ]
+
+    def speedup(p_s, p_n, s, n, _steps):
+        return (sum(p_s) / sum(p_n)) / (sum(s) / sum(n))
+
+    def tau(_p_s, _p_n, _s, n, steps):
+        return sum(n) / sum(steps)
+
+    for ours, stat in ((ours_speedup, speedup), (ours_tau, tau)):
+        ref = {}
+        for level in (0.95, 0.90):
+            res = bootstrap(
+                columns,
+                stat,
+                paired=True,
+                vectorized=False,
+                n_resamples=20_000,
+                confidence_level=level,
+                method="percentile",
+                random_state=np.random.default_rng(0),
+            )
+            ref[level] = [res.confidence_interval.low, res.confidence_interval.high]
+        width = ref[0.95][1] - ref[0.95][0]
+        tol = 0.02 * width  # Monte-Carlo precision of the endpoints of 20,000 resamples
+        assert min(ref[0.90][0] - ref[0.95][0], ref[0.95][1] - ref[0.90][1]) > 2 * tol  # the test has power
+        assert ours == pytest.approx(ref[0.95], abs=tol), (stat.__name__, ours, ref)

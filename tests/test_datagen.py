@@ -5,6 +5,7 @@ so prompts go through a real chat template without any download."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,6 +133,17 @@ def test_max_prompt_tokens_skips_long_prompts_and_counts_them(tiny, tmp_path):
     assert s.over_cap == 8 - s.written > 0 and "over --max-prompt-tokens" in s.line()
     with pytest.raises(DataGenError, match="--max-prompt-tokens must be >= 1"):
         run_datagen(_cfg(d, tmp_path / "z.jsonl", max_prompt_tokens=0))
+
+
+def test_progress_bar_counts_tokens_before_any_conversation_is_done(tiny, tmp_path, monkeypatch, capsys):
+    """A batch of long answers finishes no row for minutes: the bar must show the tokens generated so far
+    (and their rate) while it still reads 0/N, not sit still until a whole conversation is done."""
+    from flashdraft import datagen
+
+    monkeypatch.setattr(datagen, "PROGRESS_EVERY_S", 0.0)  # redraw at every step
+    run_datagen(_cfg(tiny[0], tmp_path / "p.jsonl", progress=True, limit=2, batch_size=2, max_new_tokens=8))
+    err = capsys.readouterr().err
+    assert re.search(r" 0/2 \[.*, [1-9]\d* tokens, \d+\.\d tok/s\]", err), err
 
 
 def test_cut_response():

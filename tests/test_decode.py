@@ -15,6 +15,7 @@ from flashdraft import (
     Target,
     generate,
 )
+from flashdraft.sequence import Row
 
 N_PROMPTS = 50
 NEW = 16
@@ -121,6 +122,32 @@ def test_ngram_proposer_is_lossless_and_accepts_on_repetition(tiny_llama):
         assert res.tokens == plain
         accepted += sum(a - 1 for a in res.acceptance_lengths)
     assert accepted > 0
+
+
+def _lookup(seq: list[int], k: int, max_ngram: int = 3, split: int = 4) -> tuple[list[int], int]:
+    """NgramProposer.lookup on a row whose prompt is seq[:split] and whose generated tokens the rest."""
+    row = Row("x", seq[:split], GenerationConfig(), 8, None, tokens=seq[split:])
+    tokens, n = NgramProposer(max_ngram=max_ngram, min_ngram=1).lookup(row, k)
+    return tokens.tolist(), n
+
+
+def test_ngram_lookup_copies_the_latest_earlier_occurrence_of_the_longest_match():
+    """Its documented rule: the longest trailing n-gram (max_ngram down to min_ngram) that occurred
+    before, at its latest earlier occurrence, and up to k tokens of what followed that one, across the
+    prompt/generated boundary. Earlier occurrences here continue differently, so each rule shows."""
+    # [1, 2, 3] occurred twice: followed by 9, 5, 6 first, by 8, 7 last; the latest wins.
+    seq = [1, 2, 3, 9, 5, 6, 1, 2, 3, 8, 7, 1, 2, 3]
+    assert _lookup(seq, 5) == ([8, 7, 1, 2, 3], 3)
+    assert _lookup(seq, 2) == ([8, 7], 3)
+    assert _lookup(seq, 5, split=12) == ([8, 7, 1, 2, 3], 3)  # the n-gram spans prompt and output
+    # a longer match beats a more recent shorter one: [1, 2, 3] -> 9; [2, 3] -> 7; [3] -> 5
+    seq = [4, 1, 2, 3, 9, 2, 3, 7, 3, 5, 1, 2, 3]
+    assert _lookup(seq, 3) == ([9, 2, 3], 3)
+    assert _lookup(seq, 3, max_ngram=2) == ([7, 3, 5], 2)
+    assert _lookup(seq, 3, max_ngram=1) == ([5, 1, 2], 1)
+    # the trailing n-gram itself is no occurrence (nothing follows it); overlapping ones are
+    assert _lookup([1, 2, 3, 4, 5, 6], 3) == ([], 0)
+    assert _lookup([6, 7, 7, 7], 3) == ([7], 2)
 
 
 def test_max_new_tokens_and_stats(tiny_llama):

@@ -237,11 +237,15 @@ def test_load_target_dispatch(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "load_gguf", lambda *a: seen.append(("gguf", Path(a[0]).name)))
     monkeypatch.setattr(Target, "from_pretrained", classmethod(lambda cls, p, **k: seen.append(("dir", p))))
     load_target(SMOL)
+    (tmp_path / "m.GGUF").write_bytes(b"")  # a missing .gguf is refused before dispatch (target_kind)
     load_target(tmp_path / "m.GGUF")
     load_target(tmp_path)
     assert seen == [("name", SMOL), ("gguf", "m.GGUF"), ("dir", tmp_path)]
     with pytest.raises(TargetError, match="not a built-in name .*gemma3-270m.*smollm2-135m-instruct"):
         load_target(tmp_path / "nowhere")
+    with pytest.raises(TargetError, match="GGUF file .*none.gguf not found"):
+        load_target(tmp_path / "none.gguf")
+    assert len(seen) == 3  # no loader was asked
 
 
 def _gguf_header(path: Path, wanted: set[str]) -> dict:

@@ -126,7 +126,14 @@ def setup(tmp_path_factory):
         time.sleep(0.2)
 
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    yield {"base": base, "client": client, "target": target, "draft": draft, "proc": proc}
+    yield {
+        "base": base,
+        "client": client,
+        "target": target,
+        "draft": draft,
+        "proc": proc,
+        "log": root / "server.log",
+    }
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -157,8 +164,8 @@ def chat_ids(setup, content):
 
 def test_health_and_models(setup):
     assert _http(setup["base"] + "/health") == (200, {"status": "ok"})
-    fresh = _metrics(setup)  # before any request: no tau yet
-    assert fresh["requests_total"] == 0 and fresh["tau"] is None
+    banner = [line for line in setup["log"].read_text().splitlines() if line.startswith("flashdraft serve:")]
+    assert len(banner) == 1 and banner[0].endswith(f" on {setup['base']}/v1"), banner
     models = setup["client"].models.list()
     assert [m.id for m in models.data] == ["tiny"]
 
@@ -295,6 +302,24 @@ BAD = [
     ("repetition_penalty", "completions", {"model": "tiny", "prompt": "hi", "repetition_penalty": 1.3}, 400, "not supported"),
     ("min_p", "chat/completions", {"model": "tiny", "messages": MSG, "min_p": 0.1}, 400, "not supported"),
     ("chat_template_kwargs not an object", "chat/completions", {"model": "tiny", "messages": MSG, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs"),
+    # strict types, as OpenAI's: no quietly converted strings
+    ("max_tokens a string", "completions", {"model": "tiny", "prompt": "hi", "max_tokens": "8"}, 400, 'invalid `max_tokens`: got "8", send a valid integer'),
+    ("max_tokens a float", "chat/completions", {"model": "tiny", "messages": MSG, "max_tokens": 8.5}, 400, "invalid `max_tokens`: got 8.5"),
+    ("temperature a string", "chat/completions", {"model": "tiny", "messages": MSG, "temperature": "0.5"}, 400, "invalid `temperature`"),
+    ("seed a string", "completions", {"model": "tiny", "prompt": "hi", "seed": "7"}, 400, "invalid `seed`"),
+    ("stream a string", "completions", {"model": "tiny", "prompt": "hi", "stream": "true"}, 400, "invalid `stream`: got \"true\", send a valid boolean"),
+    ("ignore_eos a number", "completions", {"model": "tiny", "prompt": "hi", "ignore_eos": 1}, 400, "invalid `ignore_eos`"),
+    ("stop a number", "completions", {"model": "tiny", "prompt": "hi", "stop": 3}, 400, "invalid `stop`: got 3, send a valid string or a valid list"),
+    ("stream_options unknown key", "completions", {"model": "tiny", "prompt": "hi", "stream": True, "stream_options": {"usage": True}}, 400, "unknown field `stream_options.usage`: leave it out"),
+    ("missing model", "completions", {"prompt": "hi"}, 400, "`model` is required"),
+    ("unknown role", "chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role is 'wizard': send one of system, developer, user, assistant"),
+    ("null content", "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": None}]}, 400, "messages[0].content is null or missing: send a string"),
+    ("missing content", "chat/completions", {"model": "tiny", "messages": [MSG[0], {"role": "user"}]}, 400, "messages[1].content is null or missing"),
+    ("text part without text", "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400, "string `text`"),
+    ("message field", "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400, "messages[0].name is not supported"),
+    ("unknown field", "completions", {"model": "tiny", "prompt": "hi", "max_new_tokens": 5}, 400, "unknown field `max_new_tokens`: leave it out"),
+    ("unknown field (chat)", "chat/completions", {"model": "tiny", "messages": MSG, "temprature": 0}, 400, "unknown field `temprature`"),
+    ("chat option on completions", "completions", {"model": "tiny", "prompt": "hi", "chat_template_kwargs": {}}, 400, "unknown field `chat_template_kwargs`"),
 ]  # fmt: skip
 
 
@@ -304,7 +329,44 @@ def test_bad_input_gets_an_openai_error(setup, case):
     code, reply = _http(f"{setup['base']}/v1/{path}", body, {"Authorization": f"Bearer {KEY}"})
     assert code == status, reply
     err = reply["error"]
-    assert words in err["message"] and err["type"] == "invalid_request_error"
+    assert words in err["message"] and err["type"] == "invalid_request_error", err["message"]
+
+
+def test_harmless_openai_fields_are_accepted(setup):
+    """What OpenAI's clients send that changes no output: bookkeeping fields, n=1, nulls for optional
+    parameters, a developer message, and an earlier reply sent back with its empty fields."""
+    reply = {"role": "assistant", "content": "Hello.", "refusal": None, "tool_calls": None, "annotations": []}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "developer", "content": "Be brief."}, MSG[0], reply, MSG[0]],
+        "max_tokens": 2,
+        "temperature": None,
+        "stop": None,
+        "n": 1,
+        "user": "u-1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "stream_options": None,
+        "logprobs": False,
+    }
+    auth = {"Authorization": f"Bearer {KEY}"}
+    code, r = _http(setup["base"] + "/v1/chat/completions", body, auth)
+    assert code == 200, r
+    system = [
+        {"role": "system", "content": "Be brief."},
+        MSG[0],
+        {"role": "assistant", "content": "Hello."},
+        MSG[0],
+    ]
+    tok = setup["target"].tokenizer
+    want = tok.apply_chat_template(system, add_generation_prompt=True, return_dict=False)
+    assert r["usage"]["prompt_tokens"] == len(want)  # developer is rendered as system
+    code, r = _http(
+        setup["base"] + "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "user": "u"},
+        auth,
+    )
+    assert code == 200, r
 
 
 def test_bad_input_through_the_openai_client(setup):
@@ -327,6 +389,41 @@ def test_malformed_and_oversize_bodies(setup):
     # still serving
     r = setup["client"].completions.create(model="tiny", prompt="ok", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
+
+
+AUTH = [
+    # (id, Authorization header or None, accepted): RFC 6750's `Bearer` 1*SP token; the scheme is
+    # case-insensitive (RFC 7235) and a header value's surrounding whitespace is not part of it.
+    ("missing", None, False),
+    ("empty token", "Bearer ", False),
+    ("scheme only", "Bearer", False),
+    ("a prefix of the key", f"Bearer {KEY[:-1]}", False),
+    ("an extension of the key", f"Bearer {KEY}4", False),
+    ("the key twice", f"Bearer {KEY} {KEY}", False),
+    ("another scheme", f"Basic {KEY}", False),
+    ("no scheme", KEY, False),
+    ("no space", f"Bearer{KEY}", False),
+    ("lowercase scheme", f"bearer {KEY}", True),
+    ("uppercase scheme", f"BEARER {KEY}", True),
+    ("whitespace around the token", f"Bearer   {KEY}  ", True),
+    ("right", f"Bearer {KEY}", True),
+]
+
+
+@pytest.mark.parametrize("case", AUTH, ids=[a[0] for a in AUTH])
+def test_every_wrong_authorization_is_refused(setup, case):
+    _, header, accepted = case
+    headers = {} if header is None else {"Authorization": header}
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    for code, reply in (
+        _http(setup["base"] + "/v1/models", headers=headers),
+        _http(setup["base"] + "/v1/completions", body, headers),
+        _http(setup["base"] + "/metrics.json", headers=headers),
+    ):
+        if accepted:
+            assert code == 200, reply
+        else:
+            assert code == 401 and reply["error"]["code"] == "invalid_api_key", reply
 
 
 def test_api_key_is_required(setup):
@@ -440,10 +537,206 @@ def test_disconnect_before_a_whole_answer_frees_the_slot(setup):
 
 
 def test_metrics(setup):
+    """What this test's own requests add (whatever ran before it): one request, its tokens, one refusal."""
+    before = _metrics(setup)
+    body = {"model": "tiny", "prompt": "Count:", "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    assert _http(setup["base"] + "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})[0] == 200
+    assert (
+        _http(setup["base"] + "/v1/completions", {**body, "top_p": 7}, {"Authorization": f"Bearer {KEY}"})[0]
+        == 400
+    )
     m = _metrics(setup)
-    assert m["requests_total"] >= 1 and m["completion_tokens_total"] >= 1 and m["tokens_per_s"] > 0
-    assert m["tau"] is not None and 1 <= m["tau"] <= 8
-    assert m["requests_rejected"] >= len(BAD)
+    assert m["requests_total"] - before["requests_total"] == 1
+    assert m["completion_tokens_total"] - before["completion_tokens_total"] == 9
+    assert m["requests_finished"]["length"] - before["requests_finished"]["length"] == 1
+    assert m["requests_rejected"] - before["requests_rejected"] == 1
+    assert m["tokens_per_s"] > 0 and m["tau"] is not None and 1 <= m["tau"] <= 8
+
+
+# -- defaults, rare flags and exact limits --------------------------------------------------------
+
+
+def _post(setup, path, body):
+    return _http(f"{setup['base']}/v1/{path}", body, {"Authorization": f"Bearer {KEY}"})
+
+
+def _long_chat(setup, room: int) -> tuple[list[dict], int]:
+    """Messages whose prompt leaves at least `room` tokens of the context (a dozen more at most), and
+    their prompt length."""
+    words = "The quick brown fox jumps over the lazy dog. "
+    n = 1
+    while len(chat_ids(setup, words * n)) <= CONTEXT - room:
+        n *= 2
+    lo, hi = n // 2, n
+    while hi - lo > 1:  # the most repeats that still leave `room`: lo does, hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if len(chat_ids(setup, words * mid)) <= CONTEXT - room else (lo, mid)
+    return [{"role": "user", "content": words * lo}], len(chat_ids(setup, words * lo))
+
+
+def test_omitted_max_tokens_takes_openai_defaults(setup):
+    """16 tokens on /v1/completions, the rest of the context on chat: the prompt leaves more than 16, and
+    chat then ends exactly at the context (which is also the largest request that fits)."""
+    msgs, n = _long_chat(setup, 40)
+    room = CONTEXT - n
+    assert 16 < room < 64
+    code, r = _post(
+        setup, "chat/completions", {"model": "tiny", "messages": msgs, "temperature": 0, "ignore_eos": True}
+    )
+    assert code == 200, r
+    assert (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) == (n, room)
+    assert r["choices"][0]["finish_reason"] == "length"
+    ids = chat_ids(setup, msgs[0]["content"])
+    code, r = _post(
+        setup, "completions", {"model": "tiny", "prompt": ids, "temperature": 0, "ignore_eos": True}
+    )
+    assert code == 200, r
+    assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
+    # with less than 16 left, the default shrinks to what is left
+    code, r = _post(
+        setup, "completions", {"model": "tiny", "prompt": [5] * (CONTEXT - 3), "ignore_eos": True}
+    )
+    assert code == 200 and r["usage"]["completion_tokens"] == 3, r
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_omitted_temperature_samples_at_one(setup, path):
+    """Omitted temperature = 1: the same tokens as an explicit 1 with the same seed, and not greedy's."""
+    body = {"model": "tiny", "max_tokens": 24, "seed": 1234, "ignore_eos": True}
+    body |= {"prompt": "Once upon a time"} if path == "completions" else {"messages": MSG}
+
+    def text(**extra):
+        code, r = _post(setup, path, body | extra)
+        assert code == 200, r
+        choice = r["choices"][0]
+        return choice["text"] if path == "completions" else choice["message"]["content"]
+
+    omitted = text()
+    assert omitted == text(temperature=1)
+    assert omitted != text(temperature=0)
+    assert omitted != text(temperature=0.5)
+
+
+def test_stop_string_in_the_last_step_of_a_request_at_its_length(setup):
+    """The last step both reaches max_tokens and completes a stop string: the stop wins (as in OpenAI
+    and vLLM): finish_reason "stop" and the text cut before the string."""
+    tok = setup["target"].tokenizer
+    ids = tok("The quick brown fox", add_special_tokens=True)["input_ids"]
+    t = setup["target"]
+    full = generate(
+        t, ids, DFlashProposer(setup["draft"], t), GenerationConfig(max_new_tokens=40, stop_ids=[])
+    )
+    for m in range(40, 8, -1):  # a length whose text ends in two plain characters seen nowhere before
+        text = tok.decode(full.tokens[:m], skip_special_tokens=True)
+        stop = text[-2:]
+        if stop.isprintable() and "\ufffd" not in stop and text.find(stop) == len(text) - 2:
+            break
+    else:
+        pytest.fail("no usable stop string in the random output")
+    body = {
+        "model": "tiny",
+        "prompt": ids,
+        "max_tokens": m,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stop": [stop],
+    }
+    code, r = _post(setup, "completions", body)
+    assert code == 200, r
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == (text[:-2], "stop")
+    del body["ignore_eos"]
+    chunks = list(setup["client"].completions.create(stream=True, extra_body={"ignore_eos": True}, **body))
+    assert "".join(c.choices[0].text for c in chunks) == text[:-2]
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "stop"
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_context_boundary_is_exact(setup, path):
+    """prompt + max_tokens equal to the context is served; one more token is a 400 naming the most."""
+    if path == "completions":
+        n, body = CONTEXT - 8, {"prompt": [7] * (CONTEXT - 8)}
+    else:
+        msgs, n = _long_chat(setup, 8)
+        body = {"messages": msgs}
+    body |= {"model": "tiny", "temperature": 0, "ignore_eos": True}
+    code, r = _post(setup, path, body | {"max_tokens": CONTEXT - n})
+    assert code == 200 and r["usage"]["completion_tokens"] == CONTEXT - n, r
+    code, r = _post(setup, path, body | {"max_tokens": CONTEXT - n + 1})
+    assert code == 400 and f"lower max_tokens to at most {CONTEXT - n}" in r["error"]["message"], r
+    if path == "completions":  # a prompt that fills the context leaves no room at all
+        code, r = _post(setup, path, {"model": "tiny", "prompt": [7] * CONTEXT})
+        assert code == 400 and "fills the model's context" in r["error"]["message"], r
+
+
+def test_token_id_boundary_is_exact(setup):
+    vocab = setup["target"].vocab_size
+    code, r = _post(setup, "completions", {"model": "tiny", "prompt": [1, vocab - 1], "max_tokens": 1})
+    assert code == 200, r
+    code, r = _post(setup, "completions", {"model": "tiny", "prompt": [1, vocab], "max_tokens": 1})
+    assert code == 400 and f"outside the vocabulary 0..{vocab - 1}" in r["error"]["message"], r
+    code, r = _post(setup, "completions", {"model": "tiny", "prompt": [-1, 1], "max_tokens": 1})
+    assert code == 400 and "outside the vocabulary" in r["error"]["message"], r
+
+
+def test_seeded_request_ignores_the_batch_and_the_global_rng(setup):
+    """A seeded sampled request gives the same text alone, after unseeded sampled requests moved the
+    server's global torch RNG, and while unseeded sampled requests share its batch."""
+    client = setup["client"]
+    seeded = {"model": "tiny", "prompt": "Seeded story:", "max_tokens": 24, "temperature": 1, "seed": 99,
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    alone = client.completions.create(**seeded).choices[0].text
+    for _ in range(2):  # unseeded: they draw from the server's global generator
+        client.completions.create(model="tiny", prompt="Noise:", max_tokens=8, temperature=1)
+    assert client.completions.create(**seeded).choices[0].text == alone
+    started, done, got = threading.Barrier(4), threading.Event(), {}
+
+    def noise(i):
+        s = client.completions.create(
+            model="tiny", prompt=f"Noise {i}:", max_tokens=CONTEXT - 32, temperature=1, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for k, _ in enumerate(s):
+            if k == 1:
+                started.wait(timeout=60)
+            if done.is_set():
+                break
+        s.close()  # the server frees the row at its next step
+
+    threads = [threading.Thread(target=noise, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)  # the three are decoding: the seeded request joins their batch
+    got["batched"] = client.completions.create(**seeded).choices[0].text
+    in_flight = _metrics(setup)["requests_in_flight"]
+    done.set()
+    for t in threads:
+        t.join(timeout=120)
+    assert got["batched"] == alone
+    assert in_flight >= 1  # the noise was still decoding when the seeded request ended
+
+
+def test_busy_port_is_one_line_before_any_model_loads(tmp_path):
+    """`serve` on a port another program holds: one line naming the port and the fix, exit status 2, no
+    traceback and no "running on" banner; with a target that cannot load, still the port's error, so the
+    check comes before loading."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+        make_hf_model("llama", vocab=320, layers=1).save_pretrained(tmp_path / "target")
+        make_tokenizer().save_pretrained(tmp_path / "target")
+        (tmp_path / "broken").mkdir()
+        (tmp_path / "broken" / "config.json").write_text("{ not json")  # a model that would fail to load
+        for target in (tmp_path / "target", tmp_path / "broken"):
+            cmd = [sys.executable, "-m", "flashdraft", "serve", "--target", str(target), "--port", str(port)]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+            assert p.returncode == 2, p.stderr
+            assert p.stderr.strip().splitlines() == [
+                f"error: port {port} on 127.0.0.1 is already in use (another server?): pass another --port, "
+                "or stop the program that holds it"
+            ]
+            assert "running" not in p.stdout and "http://" not in p.stdout, p.stdout
 
 
 # -- incremental text ----------------------------------------------------------------------------

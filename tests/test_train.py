@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_draft, make_hf_model
+from conftest import DRAFT_OPTIONS, make_draft, make_hf_model
 from safetensors.torch import load_file
 
 from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, Target
@@ -186,11 +186,29 @@ def tiny():
     return target, draft
 
 
+@pytest.fixture(scope="module")
+def option_drafts(tiny):
+    """The tiny target's draft with each of DRAFT_OPTIONS turned on (built on first use)."""
+    target, _ = tiny
+    drafts = {}
+
+    def get(option: str):
+        if option not in drafts:
+            drafts[option] = make_draft(
+                target.model, layers=2, block_size=B, mask_token_id=MASK, option=option
+            )
+        return drafts[option]
+
+    return get
+
+
 def _inference_logits(draft, target, ids, feats, a):
     """The draft at decode time: context features go through the KV cache in two chunks (as prefill
-    and a verify step would add them), then the block [x[a], MASK...] at positions a..a+B-1."""
+    and a verify step would add them), then the block [x[a], MASK...] at positions a..a+B-1, its
+    embeddings scaled as the config says."""
     cache = draft.new_cache()
-    emb = target.embed(torch.full((1, B), MASK)).to(torch.float64)
+    scale = float(draft.config.extra.get("input_embedding_scale", 1.0))
+    emb = target.embed(torch.full((1, B), MASK)).to(torch.float64) * scale
     c1 = a // 2
     pos = torch.arange(a + B)[None]
     if c1:
@@ -198,14 +216,21 @@ def _inference_logits(draft, target, ids, feats, a):
     block = torch.full((1, B), MASK)
     block[0, 0] = ids[a]
     hidden = draft(
-        target.embed(block).to(torch.float64), pos[:, a:], feats[:, c1:a], pos[:, c1:a], cache=cache
+        target.embed(block).to(torch.float64) * scale, pos[:, a:], feats[:, c1:a], pos[:, c1:a], cache=cache
     )
     return draft.logits(hidden, target.lm_head)[0]
 
 
-@pytest.mark.parametrize("pitfall", [None, *PITFALLS], ids=lambda p: "correct" if p is None else p.__name__)
-def test_training_forward_equals_inference_forward(tiny, pitfall):
-    target, draft = tiny
+OPTION_CASES = [pytest.param(None, o, id=f"correct-{o}") for o in DRAFT_OPTIONS] + [
+    pytest.param(p, "plain", id=p.__name__) for p in PITFALLS
+]
+
+
+@pytest.mark.parametrize("pitfall, option", OPTION_CASES)
+def test_training_forward_equals_inference_forward(tiny, option_drafts, pitfall, option):
+    """On a draft with each config option on (DRAFT_OPTIONS), and against each pitfall of the mask."""
+    target, _ = tiny
+    draft = option_drafts(option)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(4, VOCAB, (30,), generator=g)
     loss_mask = torch.zeros(30, dtype=torch.bool)
@@ -227,10 +252,27 @@ def test_training_forward_equals_inference_forward(tiny, pitfall):
         assert max(diffs) < 1e-10, diffs
     else:
         assert max(diffs) > 1e-6, f"{pitfall.__name__} went unnoticed"
+    if option != "plain":  # the option changes what the draft computes: the test can see it dropped
+        with torch.no_grad():
+            plain = option_drafts("plain")
+            base = TL.draft_hidden(plain, target, batch, torch.float64)
+            base = plain.logits(base, target.lm_head)[0]
+        assert (train_logits - base).abs().max() > 1e-3, f"{option} changes nothing here"
 
 
-def test_training_forward_matches_proposer_and_padding_changes_nothing(tiny):
-    target, draft = tiny
+@pytest.mark.parametrize("option", [*DRAFT_OPTIONS, "draft_vocab"])
+def test_training_forward_matches_proposer_and_padding_changes_nothing(tiny, option_drafts, option):
+    """On a draft with each config option on (DRAFT_OPTIONS), and on one with a draft vocabulary, whose
+    proposer computes only its rows of the LM head (-inf elsewhere), scaled and capped like the rest."""
+    target, _ = tiny
+    if option == "draft_vocab":  # with the logit extras, which its own LM-head path must apply too
+        draft = make_draft(
+            target.model, layers=2, block_size=B, mask_token_id=MASK, option="output_multiplier"
+        )
+        draft.config.extra["final_logit_softcapping"] = 2.0
+        draft.set_vocab(list(range(0, VOCAB, 3)))
+    else:
+        draft = option_drafts(option)
     g = torch.Generator().manual_seed(3)
     seqs = [(torch.randint(4, VOCAB, (n,), generator=g), torch.arange(n) >= 6) for n in (26, 18)]
     anchors = [torch.tensor([6, 7, 12, 19]), torch.tensor([9])]
@@ -253,8 +295,14 @@ def test_training_forward_matches_proposer_and_padding_changes_nothing(tiny):
                 proposer.accept(feats[:, anc // 2 : anc], [anc - anc // 2])
                 ((drafted, _),) = proposer.propose([row], [B - 1])
                 want = one[b * B + 1 : (b + 1) * B]
+                if draft.vocab is not None:  # the proposer proposes from the draft vocabulary only
+                    outside = torch.ones(VOCAB, dtype=torch.bool)
+                    outside[draft.vocab] = False
+                    want = want.masked_fill(outside, float("-inf"))
                 assert drafted.tolist() == want.argmax(-1).tolist()
-                assert (proposer.last_logits[0] - want).abs().max() < 1e-10  # logit level, not only argmax
+                got, finite = proposer.last_logits[0], torch.isfinite(want)
+                assert torch.equal(torch.isfinite(got), finite)
+                assert (got[finite] - want[finite]).abs().max() < 1e-10  # logit level, not only argmax
     # gradients through a padded batch stay finite and equal the sum of the parts
     wce, w = TL.batch_loss(draft, target, TL.FrozenHead(target.lm_head), batch, torch.float64)
     parts = [
