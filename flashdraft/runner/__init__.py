@@ -1,0 +1,12 @@
+"""The native runner: our own model code for the target (Llama / Qwen2 / Qwen3 families) with a
+preallocated KV cache and optional int8 / int4 weights, behind the `flashdraft.target.Target` interface.
+
+`RunnerTarget.from_target(target, quantize=...)` builds it from a loaded transformers target; the
+transformers `Target` stays the fallback for other architectures and the reference in tests.
+"""
+
+from .cache import KVCache
+from .llama import FAMILIES, RunnerTarget
+from .quant import QUANTIZE
+
+__all__ = ["FAMILIES", "QUANTIZE", "KVCache", "RunnerTarget"]

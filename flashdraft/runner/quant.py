@@ -1,0 +1,113 @@
+"""Linear layers for the runner: dense, or weight-only int8 per output channel, or int4 in groups of 32.
+
+The quantized ones go through torch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
+chosen for two reasons measured on SmolLM2's shapes: they read 2-4x fewer bytes than a bf16 GEMM (the
+decode step is bound by reading weights), and they are batch-invariant, bitwise: each row of the output
+is computed exactly as it would be alone, whatever M. That is what lets a verify over k tokens give the
+logits of k one-token steps. A dense bf16 GEMM is not (its blocking changes with M).
+
+A quantized layer is its own model: exact means equal to plain decoding with the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZE = ("none", "int8", "int4")
+GROUP = 32  # int4 group size along the input dimension (GGUF's Q4_0 / Q4_1 blocks are 32 too)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with the weight as loaded (the float reference and the `quantize="none"` path)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Quantized(nn.Module):
+    """Shared by the quantized layers: the kernels take 2D inputs; `weight` gives the dequantized
+    matrix (what a draft's vocabulary-restricted head slices), computed once."""
+
+    def __init__(self, out_features: int, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features = out_features
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self._dense: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self.dequantize()
+        return self._dense
+
+
+class Int8Linear(_Quantized):
+    """int8 weights with one scale per output channel: w = q * scale, |q| <= 127."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(weight.shape[0], bias, dtype)
+        w = weight.detach().float()
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+        self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(dtype))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.to(self.scale.dtype) * self.scale[:, None]
+
+
+class Int4Linear(_Quantized):
+    """4-bit weights in groups of 32 inputs, each group with a scale and a minimum (asymmetric, as
+    gpt-fast and GGUF Q4_1): w = q * scale + min, q in 0..15. The kernel stores min as a "zero"
+    centred on q = 8: zero = min + 8 * scale."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(weight.shape[0], bias, dtype)
+        n, k = weight.shape
+        if k % GROUP:
+            raise ValueError(f"int4 needs input sizes divisible by {GROUP}, got a {n}x{k} weight")
+        w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        q = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        zero = lo + 8 * scale
+        # (k / GROUP, n, 2): per group and output channel, (scale, zero)
+        sz = torch.stack([scale[..., 0], zero[..., 0]], -1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_zeros", sz.to(dtype))
+        self._q = q.to(torch.uint8)  # kept only to dequantize (tests, a draft's vocabulary head)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self._q.shape
+        sz = self.scales_zeros.transpose(0, 1)  # (n, k / GROUP, 2)
+        q = self._q.reshape(n, k // GROUP, GROUP).to(sz.dtype)
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(n, k)
+
+
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, quantize: str, dtype: torch.dtype
+) -> nn.Module:
+    """A linear layer of these weights (out, in), in `dtype` activations, stored as `quantize` says."""
+    if quantize == "none":
+        return Linear(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype))
+    if quantize == "int8":
+        return Int8Linear(weight, bias, dtype)
+    if quantize == "int4":
+        return Int4Linear(weight, bias, dtype)
+    raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")

@@ -1,0 +1,304 @@
+"""The native runner (flashdraft.runner) against transformers, and its batch-invariant quantized numerics.
+
+float64: logits and features equal the transformers `Target`'s (the reference) on a prompt, on
+incremental steps and on a padded batch with per-slot positions and the engine's masks; DFlash decoding
+through the runner equals plain decoding, alone and batched. Quantized (int8, int4) with bfloat16
+activations: a verify row equals the one-token step bitwise, a row does not depend on its batch, and
+DFlash decoding equals plain decoding of the same quantized runner, alone and batched.
+"""
+
+import random
+
+import pytest
+import torch
+from conftest import make_draft, make_hf_model
+from test_batch import BatchOracle, run_decoder
+
+from flashdraft import DFlashProposer, Engine, GenerationConfig, Target, generate
+from flashdraft.runner import RunnerTarget
+from flashdraft.runner.quant import make_linear
+from flashdraft.slots import DEAD
+
+ARCHS = ("llama", "qwen3", "qwen2")
+QUANT = ("int8", "int4")
+
+
+def pair(arch: str) -> tuple[Target, RunnerTarget]:
+    """The reference and the runner of one tiny model; biases (Qwen2's q/k/v) made non-zero, as trained
+    ones are (the builder leaves them at zero)."""
+    model = make_hf_model(arch)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    ref = Target(model)
+    return ref, RunnerTarget.from_target(ref)
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, what) -> None:
+    assert a.shape == b.shape, what
+    assert (a - b).abs().max() < 1e-10, (what, (a - b).abs().max().item())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.inference_mode()
+def test_float64_logits_and_features_equal_transformers(arch):
+    """Prompt, then a one-token step and a 3-token block, then a left-padded batch of three prompts
+    with per-slot positions, a step where one row's slot is dead (a rejected draft) and the masks
+    both targets build: the runner's logits and features equal transformers' at every step."""
+    ref, run = pair(arch)
+    layers = [0, 2, ref.num_layers - 1]  # the last one is the final-normed output
+    g = torch.Generator().manual_seed(3)
+    caches = (ref.new_cache(sliding=False), run.new_cache(sliding=False))
+    ids = torch.randint(0, 128, (1, 11), generator=g)
+    steps = [(ids, torch.arange(11)[None])]
+    steps.append((torch.randint(0, 128, (1, 1), generator=g), torch.tensor([[11]])))
+    steps.append((torch.randint(0, 128, (1, 3), generator=g), torch.arange(12, 15)[None]))
+    for n, (x, pos) in enumerate(steps):
+        (la, fa), (lb, fb) = (
+            t.forward(x, pos, c, features=layers) for t, c in zip((ref, run), caches, strict=True)
+        )
+        assert_close(la, lb, ("logits", arch, n))
+        assert_close(fa, fb, ("features", arch, n))
+    la, lb = (t.forward(x, pos + 3, c, logits_to_keep=1)[0] for t, c in zip((ref, run), caches, strict=True))
+    assert lb.shape[1] == 1
+    assert_close(la, lb, ("logits_to_keep", arch))
+
+    lens = torch.tensor([5, 9, 2])
+    ids = torch.randint(0, 128, (3, 9), generator=g)
+    pos = torch.arange(9) - (9 - lens)[:, None]
+    kpos = torch.where(pos >= 0, pos, DEAD)
+    caches = (ref.new_cache(sliding=False), run.new_cache(sliding=False))
+    out = [
+        t.forward(
+            ids, pos.clamp_min(0), c, features=layers, attention_mask=t.attention_mask(pos.clamp_min(0), kpos)
+        )
+        for t, c in zip((ref, run), caches, strict=True)
+    ]
+    live = pos >= 0
+    assert_close(out[0][0][live], out[1][0][live], ("padded prefill logits", arch))
+    assert_close(out[0][1][live], out[1][1][live], ("padded prefill features", arch))
+    for step in range(2):  # row 0 keeps only its first block slot after step 0: a dead slot in the middle
+        q_pos = lens[:, None] + torch.arange(2) + (torch.tensor([1, 2, 2])[:, None] if step else 0)
+        new = torch.randint(0, 128, (3, 2), generator=g)
+        kall = torch.cat([kpos, q_pos], 1)
+        out = [
+            t.forward(new, q_pos, c, features=layers, attention_mask=t.attention_mask(q_pos, kall))
+            for t, c in zip((ref, run), caches, strict=True)
+        ]
+        assert_close(out[0][0], out[1][0], ("padded step logits", arch, step))
+        assert_close(out[0][1], out[1][1], ("padded step features", arch, step))
+        kpos = kall.clone()
+        if step == 0:
+            kpos[0, -1] = DEAD
+
+
+def dflash_cases(ref: Target, seed: int, n: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(ref.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(n)]
+    return prompts, [GenerationConfig(rng.randint(4, 24)) for _ in prompts]
+
+
+def check_dflash_equals_plain(run, draft, plain_target, prompts, configs, what) -> None:
+    """Speculative decoding through `run`, alone (blocks 4 and 16) and batched, equals plain decoding
+    of `plain_target`. Twice: with the DFlash draft (features flow from the runner), and with an oracle
+    that proposes the true continuation with errors, so that full and partial acceptance occur whatever
+    a random draft manages."""
+    want = [generate(plain_target, p, None, c).tokens for p, c in zip(prompts, configs, strict=True)]
+    rng, accepted = random.Random(0), 0
+    for name in ("dflash", "oracle"):
+        for block in (4, 16):
+            for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
+                proposer = (
+                    DFlashProposer(draft, run) if name == "dflash" else BatchOracle({"0": want[i]}, 128, rng)
+                )
+                res = generate(run, p, proposer, GenerationConfig(c.max_new_tokens, block))
+                assert res.tokens == want[i], (what, name, "alone", block, i)
+                accepted += sum(a - 1 for a in res.acceptance_lengths)
+        truths = {str(i): t for i, t in enumerate(want)}
+        proposer = DFlashProposer(draft, run) if name == "dflash" else BatchOracle(truths, 128, rng)
+        dec = Engine(run, block_size=4, max_batch_size=3, proposer=proposer)  # joins, leaves, dead slots
+        seen = run_decoder(dec, prompts, configs)
+        for i in range(len(prompts)):
+            assert seen[str(i)]["tokens"] == want[i], (what, name, "batched", i)
+    assert accepted > 0, what
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen3"))
+def test_float64_dflash_through_runner_equals_plain_decoding(arch):
+    ref, run = pair(arch)
+    prompts, configs = dflash_cases(ref, 11, 6)
+    check_dflash_equals_plain(run, make_draft(ref.model), ref, prompts, configs, arch)
+
+
+def quantized(arch: str, quantize: str) -> RunnerTarget:
+    return RunnerTarget.from_target(
+        Target(make_hf_model(arch, dtype=torch.float32)), quantize, torch.bfloat16
+    )
+
+
+def smol_shaped(arch: str, quantize: str) -> RunnerTarget:
+    """Two layers of SmolLM2-135M's shapes (576 wide, 9 heads of 64, 3 kv heads, MLP 1536), random:
+    the kernels' blocking depends on the shapes, and with the tiny test models' (heads of 16) even
+    SDPA happens to round the same for 1 and 8 queries."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    shapes = dict(
+        vocab_size=256,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=512,
+    )
+    if arch == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**shapes, tie_word_embeddings=True))
+    else:
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**shapes, tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.05)
+    return RunnerTarget.from_target(Target(model.eval()), quantize, torch.bfloat16)
+
+
+@pytest.mark.parametrize("quantize", QUANT)
+@pytest.mark.parametrize("arch", ("llama", "qwen3"))
+@torch.inference_mode()
+def test_quantized_verify_rows_equal_one_token_steps_bitwise(arch, quantize):
+    """An 8-token verify of two rows over a cache of ~100 tokens: row b's logits and features equal,
+    bit for bit, those of row b alone fed the same tokens one at a time (M = 1 in every GEMM), and
+    those of row b alone verified (M = 8)."""
+    run = smol_shaped(arch, quantize)
+    g = torch.Generator().manual_seed(5)
+    prompt, block = torch.randint(0, 128, (2, 97), generator=g), torch.randint(0, 128, (2, 8), generator=g)
+    cache = run.new_cache()
+    run.forward(prompt, torch.arange(97).expand(2, -1), cache)
+    verify, feats = run.forward(block, torch.arange(97, 105).expand(2, -1), cache, features=[0, 1])
+    for b in range(2):
+        alone = run.new_cache()
+        run.forward(prompt[b : b + 1], torch.arange(97)[None], alone)
+        steps = [
+            run.forward(block[b : b + 1, j : j + 1], torch.tensor([[97 + j]]), alone, features=[0, 1])
+            for j in range(8)
+        ]
+        assert torch.equal(verify[b], torch.cat([s[0][0] for s in steps])), (arch, quantize, b)
+        assert torch.equal(feats[b], torch.cat([s[1][0] for s in steps])), (arch, quantize, b)
+        run.crop(alone, 97)
+        logits, _ = run.forward(block[b : b + 1], torch.arange(97, 105)[None], alone)
+        assert torch.equal(logits[0], verify[b]), (arch, quantize, b)
+
+
+@pytest.mark.parametrize("quantize", QUANT)
+@torch.inference_mode()
+def test_quantized_row_does_not_depend_on_its_batch(quantize):
+    """A row (30, 47 or 59 prompt tokens) gives the same bits alone and in batches whose other rows
+    are longer or shorter: left-padded by 0, 1, 2 or 37 dead slots (odd offsets matter: bf16 kernels
+    pair neighbouring slots in their sums, which showed at 47 and 59 tokens here), in the prefill, in a 4-token step of which it keeps 2 (the
+    other 2 slots stay in the cache, dead for it, as the engine leaves rejected drafts) and in a
+    3-token step after them. Alone, it runs as plain decoding does: rejected slots cropped."""
+    run = smol_shaped("llama", quantize)
+    g = torch.Generator().manual_seed(6)
+    for length in (30, 47, 59):
+        row0 = torch.randint(0, 128, (1, length), generator=g)
+        steps0 = torch.randint(0, 128, (1, 4), generator=g), torch.randint(0, 128, (1, 3), generator=g)
+        alone = run.new_cache()
+        want = [run.forward(row0, torch.arange(length)[None], alone)[0][0]]
+        want.append(run.forward(steps0[0], torch.arange(length, length + 4)[None], alone)[0][0])
+        run.crop(alone, length + 2)
+        want.append(run.forward(steps0[1], torch.arange(length + 2, length + 5)[None], alone)[0][0])
+        for others in ([length + 1], [length + 2, 7], [12, length + 37, 20, 5, length]):
+            lens = torch.tensor([length, *others])
+            width, n = int(lens.max()), len(lens)
+            ids = torch.randint(0, 128, (n, width), generator=g)
+            ids[0, width - length :] = row0
+            pos = torch.arange(width) - (width - lens)[:, None]
+            kpos = torch.where(pos >= 0, pos, DEAD)
+            cache = run.new_cache()
+            first, _ = run.forward(
+                ids, pos.clamp_min(0), cache, attention_mask=run.attention_mask(pos.clamp_min(0), kpos)
+            )
+            got = [first[0, width - length :]]
+            kept = torch.tensor([2] + [4] * len(others))
+            for new, size in zip(steps0, (4, 3), strict=True):
+                q_pos = lens[:, None] + torch.arange(size)
+                new = torch.cat([new, torch.randint(0, 128, (len(others), size), generator=g)])
+                kpos = torch.cat([kpos, q_pos], 1)
+                logits, _ = run.forward(new, q_pos, cache, attention_mask=run.attention_mask(q_pos, kpos))
+                got.append(logits[0])
+                kpos[:, -size:] = torch.where(torch.arange(size) < kept[:, None], kpos[:, -size:], DEAD)
+                lens, kept = lens + kept, torch.full_like(kept, size)
+            for step, (x, w) in enumerate(zip(got, want, strict=True)):
+                what = (quantize, length, others, step)
+                assert torch.equal(x, w), (*what, (x.float() - w.float()).abs().max().item())
+
+
+@pytest.mark.parametrize("quantize", QUANT)
+@pytest.mark.parametrize("arch", ("llama", "qwen3"))
+def test_quantized_dflash_equals_plain_decoding_of_the_same_weights(arch, quantize):
+    run = quantized(arch, quantize)
+    prompts, configs = dflash_cases(run, 12, 6)
+    draft = make_draft(run.reference.model, dtype=torch.bfloat16)
+    check_dflash_equals_plain(run, draft, run, prompts, configs, (arch, quantize))
+
+
+def test_quantized_long_batched_run_compacts_and_stays_exact():
+    """Rows of very different lengths over many steps, so that the engine compacts dead slots (it
+    gathers this cache's slots through its keys / values views): every row still equals plain
+    decoding of the same weights."""
+    run = quantized("llama", "int8")
+    rng = random.Random(9)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+    configs = [GenerationConfig(rng.randint(30, 90)) for _ in prompts]
+    want = [generate(run, p, None, c).tokens for p, c in zip(prompts, configs, strict=True)]
+    oracle = BatchOracle({str(i): t for i, t in enumerate(want)}, 128, rng)
+    dec = Engine(run, block_size=8, max_batch_size=3, proposer=oracle)
+    seen = run_decoder(dec, prompts, configs)
+    assert dec.stats["compactions"] > 0
+    for i in range(len(prompts)):
+        assert seen[str(i)]["tokens"] == want[i], i
+
+
+@pytest.mark.parametrize("quantize", QUANT)
+@torch.inference_mode()
+def test_quantized_weights_agree_with_the_float_weights(quantize):
+    """Each quantized linear against the float one on random inputs, and the whole model's logits
+    against the float runner's (float32 activations): close within what the bits allow."""
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(5, 64, generator=g)
+    want = x @ w.T
+    got = make_linear(w, None, quantize, torch.float32)(x)
+    tol, model_tol = {"int8": (0.02, 0.05), "int4": (0.15, 0.5)}[quantize]  # int4 errors compound
+    assert (got - want).norm() / want.norm() < tol, quantize
+    ref = Target(make_hf_model("qwen3", dtype=torch.float32))
+    ids, pos = torch.randint(0, 128, (1, 20), generator=g), torch.arange(20)[None]
+    full, _ = RunnerTarget.from_target(ref).forward(ids, pos, RunnerTarget.from_target(ref).new_cache())
+    run = RunnerTarget.from_target(ref, quantize)
+    q, _ = run.forward(ids, pos, run.new_cache())
+    assert (q - full).norm() / full.norm() < model_tol, quantize
+
+
+def test_refuses_what_it_does_not_run():
+    """Other architectures (Gemma 3; OLMo, shaped like a Llama), sliding windows (a Mistral with one)
+    and quantized weights with activations the kernels refuse: a clear error before any forward."""
+    import transformers as tf
+
+    small = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
+    )
+    olmo = tf.OlmoForCausalLM(tf.OlmoConfig(**small))
+    windowed = tf.MistralForCausalLM(tf.MistralConfig(**small, sliding_window=4))
+    for model, match in (
+        (olmo, "covers llama"),
+        (make_hf_model("gemma3"), "covers llama"),
+        (windowed, "sliding"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            RunnerTarget.from_target(Target(model))
+    with pytest.raises(ValueError, match="activations"):
+        RunnerTarget.from_target(Target(make_hf_model("llama")), "int8")
+    with pytest.raises(ValueError, match="quantize must be"):
+        RunnerTarget.from_target(Target(make_hf_model("llama")), "int3")
