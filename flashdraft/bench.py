@@ -897,7 +897,9 @@ def gsm_accuracy(target: Target, methods, prompts, runs) -> dict:
 
 
 def _cast_target(target: Target, dtype: torch.dtype) -> Target:
-    """The same target in another dtype (a fresh module, so the original keeps its dtype and hooks)."""
+    """The same target in another dtype (a fresh module, so the original keeps its dtype and hooks); the
+    transformers one, dense, when the benched target is the native runner in another dtype: the numerics
+    then compare the runner against the float reference."""
     if target.dtype == dtype:
         return target
     model = type(target.model)(target.model.config)
@@ -944,10 +946,11 @@ def numerics(
         cfg_b = GenerationConfig(cfg.max_new_tokens, block, cfg.sampling, stop_ids)
         spec = [generate(t, p.ids, proposer, cfg_b).tokens for p in picks]
         outputs[name] = {"plain": plain, "dflash": spec}
-        rows.append({"comparison": f"dflash-b{block} vs plain, {name}", **compare(t, plain, spec)})
+        rows.append({"comparison": f"dflash-b{block} vs plain, {t.describe()}", **compare(t, plain, spec)})
     if "bfloat16" in outputs and "float32" in outputs:
-        cmp = compare(targets["float32"], outputs["float32"]["plain"], outputs["bfloat16"]["plain"])
-        rows.append({"comparison": "plain bfloat16 vs plain float32", **cmp})
+        a, b = targets["bfloat16"], targets["float32"]
+        cmp = compare(b, outputs["float32"]["plain"], outputs["bfloat16"]["plain"])
+        rows.append({"comparison": f"plain ({a.describe()}) vs plain ({b.describe()})", **cmp})
     return {
         "prompts": [p.id for p in picks],
         "max_new_tokens": bc.numerics_max_new_tokens,
@@ -996,6 +999,7 @@ def machine(target: Target) -> dict:
         "native_bf16": cpu_has_fast_bf16(),
         "device": str(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),
+        "runner": target.describe(),
     }
 
 
@@ -1068,7 +1072,7 @@ def _md_header(r: dict) -> list[str]:
         "",
         f"`{r.get('command') or 'run_bench(...)'}`",
         "",
-        f"target {r.get('target', '?')}, draft {r.get('draft', '?')}, dtype {m['dtype']}, "
+        f"target {r.get('target', '?')} ({m.get('runner', m['dtype'])}), draft {r.get('draft', '?')}, "
         f"temperature {temp}, {cfg['max_new_tokens']} new tokens, {len(r['prompts'])} prompts; "
         f"{m['cpu']} ({m['cpu_count']} cores, {m['torch_threads']} torch threads), "
         f"torch {r['versions']['torch']}, transformers {r['versions']['transformers']}; "
@@ -1556,7 +1560,7 @@ def main_from_args(args) -> int:
         raise BenchError(f"--samples must be >= 1, got {args.samples}")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    target = load_target(args.target, dtype, str(device))
+    target = load_target(args.target, dtype, str(device), args.runner, args.quantize)
     draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=dtype, device=target.device)
     prompts = load_prompts(target, _csv(args.datasets), args.samples, args.chat_template_kwargs)
     command = "flashdraft " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else ""

@@ -16,7 +16,8 @@ from .adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
 from .data import check_dataset_name
 from .decode import GenerationConfig, generate
 from .draft import DFlashDraft, DraftConfig, DraftError, init_draft_config
-from .models import load_target, local_dir, target_kind
+from .models import RUNNERS, load_target, local_dir, target_kind
+from .runner import QUANTIZE, supports
 from .sampling import SamplingConfig
 from .target import DTYPES, Target, TargetError, check_model_dir, resolve_device, resolve_dtype
 
@@ -58,16 +59,43 @@ class _TextStream:
             self.shown = text
 
 
-BF16_NOTE = (
-    "note: in {dtype}, a verify pass over a block and a one-token step round differently, so greedy output "
-    "can differ from plain decoding after a near-tie (README, Lossless); --dtype float32 makes them equal"
+INEXACT_NOTE = (
+    "note: {what}: a verify pass over a block and a one-token step round differently, so greedy output "
+    "can differ from plain decoding after a near-tie (docs/lossless.md); the default (--runner auto "
+    "--quantize auto: quantized weights, bf16) or --dtype float32 makes them equal"
 )
+
+
+def inexact_note(target) -> str | None:
+    """The one-line warning for settings whose verify does not round as a one-token step does: bf16 or
+    fp16 activations without the native runner's batch-invariant quantized kernels."""
+    if target.exact or target.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return INEXACT_NOTE.format(what=target.describe())
+
+
+def add_runner_arguments(p) -> None:
+    """--runner and --quantize, for the verbs that decode (generate, serve, bench)."""
+    p.add_argument(
+        "--runner",
+        choices=list(RUNNERS),
+        default="auto",
+        help="the target's model code: native (ours: static cache, quantized weights; Llama, Qwen2, Qwen3, "
+        "Gemma 3), transformers, or auto (native where it covers the architecture)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["auto", *QUANTIZE],
+        default="auto",
+        help="the native runner's weights: int8 per channel, int4 in groups of 32, or none (dense). auto: "
+        "int8 with bf16 activations, which makes DFlash bitwise equal to plain decoding; dense otherwise",
+    )
 
 
 def cmd_generate(args) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    target = load_target(args.target, dtype, str(device))
+    target = load_target(args.target, dtype, str(device), args.runner, args.quantize)
     proposer = None
     # Adaptive cuts follow measured timings, so with them a seed fixes only the distribution: seeded sampling
     # runs fixed blocks unless asked otherwise.
@@ -76,8 +104,9 @@ def cmd_generate(args) -> int:
     if args.draft:
         draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=dtype, device=device)
         proposer = make_proposer(draft, target, args.proposal, args.speculation)
-        if dtype in (torch.bfloat16, torch.float16) and (args.block_size or 2) > 1:
-            print(BF16_NOTE.format(dtype=str(dtype).removeprefix("torch.")), file=sys.stderr)
+        note = inexact_note(target)
+        if note and (args.block_size or 2) > 1:
+            print(note, file=sys.stderr)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     stop_ids = [] if args.ignore_eos else target.stop_ids
     cfg = GenerationConfig(args.max_new_tokens, args.block_size, sampling, stop_ids, args.seed)
@@ -106,6 +135,7 @@ def cmd_generate(args) -> int:
                     "stop_reason": res.stop_reason,
                     "device": str(device),
                     "dtype": str(dtype).removeprefix("torch."),
+                    "runner": target.describe(),
                     "speculation": args.speculation if proposer is not None else None,
                     "adaptive": getattr(
                         proposer, "stats", None
@@ -117,14 +147,14 @@ def cmd_generate(args) -> int:
         print(
             f"\n\n[{len(res.tokens)} tokens, tau {res.tau:.2f}, {res.tokens_per_s:.1f} tokens/s, "
             f"prefill {res.prefill_s * 1e3:.0f} ms, stop: {res.stop_reason}; {device}, "
-            f"{str(dtype).removeprefix('torch.')}]",
+            f"{target.describe()}]",
             file=sys.stderr,
         )
     return 0
 
 
 def cmd_init_draft(args) -> int:
-    target = load_target(args.target, torch.float32)
+    target = load_target(args.target, torch.float32, runner="transformers")
     mask, note = (
         (args.mask_token_id, None) if args.mask_token_id is not None else target.default_mask_token_id()
     )
@@ -149,7 +179,7 @@ def cmd_export(args) -> int:
     from .export import export_transformers
 
     draft = DFlashDraft.from_pretrained(local_dir(args.draft))  # exported in the dtype it was saved in
-    target = load_target(args.target, next(draft.parameters()).dtype)
+    target = load_target(args.target, next(draft.parameters()).dtype, runner="transformers")
     out = export_transformers(draft, target, args.out)
     print(
         f"wrote {out}: transformers' DFlash assistant model; use it as "
@@ -319,6 +349,7 @@ def _add_generate(sub) -> None:
         default="auto",
         help="auto: bf16 where the hardware has it, else float32",
     )
+    add_runner_arguments(g)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
@@ -431,6 +462,7 @@ def _add_heavy_verbs(sub) -> None:
         "bench", help="benchmark plain, n-gram, DFlash, the reference loop and transformers on data sets"
     )
     add_bench_arguments(b)
+    add_runner_arguments(b)
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser(
@@ -465,6 +497,7 @@ def _add_serve_arguments(p) -> None:
         "--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it"
     )
     p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
+    add_runner_arguments(p)
     p.add_argument("--model-name", help="the model id clients send (default: --target as given)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get a 413")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -531,8 +564,16 @@ def check_args(args) -> None:
         # target_kind's message names the target and what it could be; a draft swapped in is named too
         if target_kind(args.target) == "dir":
             check_model_dir(Path(args.target).expanduser())
+            if getattr(args, "runner", None) == "native":  # the config alone tells (no weights read)
+                from transformers import AutoConfig
+
+                why = supports(AutoConfig.from_pretrained(Path(args.target).expanduser()))
+                if why:
+                    raise UsageError(f"--runner native: {why}: use --runner auto or transformers")
     if getattr(args, "device", None) is not None:
         resolve_device(args.device)
+    if getattr(args, "runner", None) == "transformers" and args.quantize not in ("auto", "none"):
+        raise UsageError(f"--quantize {args.quantize} needs the native runner: drop --runner transformers")
     if getattr(args, "prompt", None) is not None:
         _utf8(args.prompt, "--prompt")
     if getattr(args, "prompt_ids", None) is not None:

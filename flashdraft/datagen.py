@@ -407,7 +407,7 @@ def _load_tokenizer_only(spec: str):
     elif Path(spec).expanduser().is_dir():
         path = Path(spec).expanduser()
     if path is None:  # a .gguf (or an error message from load_target)
-        target = load_target(spec)
+        target = load_target(spec, runner="transformers")
         return target.tokenizer, target.stop_ids
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -626,7 +626,7 @@ def _load_backend(cfg: DatagenConfig):
                 "flashdraft: this CPU has no native bfloat16 (no avx512_bf16 / amx_bf16): bf16 matmuls are "
                 "emulated, far slower than float32 here; pass --dtype float32 (or auto)"
             )
-        target = load_target(cfg.target, cfg.dtype, cfg.device)
+        target = load_target(cfg.target, cfg.dtype, cfg.device, runner="transformers")
         tokenizer, stop_ids = target.tokenizer, target.stop_ids
     if tokenizer is None:
         raise DataGenError(f"target {cfg.target!r} has no tokenizer: datagen needs one for the chat template")

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from .files import usual_mode
-from .target import Target, TargetError
+from .runner.quant import Quantization
+from .target import Target, TargetError, resolve_dtype
 
 log = logging.getLogger("flashdraft")
 
@@ -463,14 +464,66 @@ def target_kind(spec: str | os.PathLike) -> str:
     )
 
 
+RUNNERS = ("auto", "native", "transformers")
+
+
 def load_target(
-    spec: str | os.PathLike, dtype: torch.dtype | str | None = "auto", device: str = "cpu"
-) -> Target:
+    spec: str | os.PathLike,
+    dtype: torch.dtype | str | None = "auto",
+    device: str = "cpu",
+    runner: str = "auto",
+    quantize: str = "auto",
+):
     """A target from a built-in name (`flashdraft models`), a local `.gguf` file or a local HF checkpoint
-    directory. Built-in names and GGUF files are converted once and cached (see `flashdraft.models`)."""
+    directory. Built-in names and GGUF files are converted once and cached (see `flashdraft.models`).
+
+    `runner`: "transformers" gives the transformers `Target` (training, export and the reference in
+    tests need that one); "native" our own model code (`flashdraft.runner`), "auto" the native runner
+    where it covers the architecture. `quantize` ("auto", "none", "int8", "int4") sets the native
+    runner's weights (`default_quantization`). The default, on a CPU with native bf16, is exact:
+    quantized weights and bf16 activations make a verify row equal a one-token step bitwise."""
+    from .runner import RunnerTarget, supports
+
+    if runner not in RUNNERS:
+        raise TargetError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    if runner == "transformers" and quantize not in ("auto", "none"):
+        raise TargetError(f"--quantize {quantize} needs the native runner: drop --runner transformers")
     kind, text, path = target_kind(spec), str(spec), Path(spec).expanduser()
+    dtype = resolve_dtype(dtype, device)
+    plan = None if runner == "transformers" else default_quantization(dtype, quantize)
+    # Quantize from the checkpoint's own values (float32 for converted GGUFs), not from a bf16 copy.
+    load_dtype = (
+        torch.float32 if plan is not None and plan.layers != "none" and dtype != torch.float64 else dtype
+    )
     if kind == "builtin":
-        return load_hf_model(text, dtype, device)
-    if kind == "gguf":
-        return load_gguf(path, dtype, device)
-    return Target.from_pretrained(path if kind == "dir" else hub_snapshot(text), dtype=dtype, device=device)
+        target = load_hf_model(text, load_dtype, device)
+    elif kind == "gguf":
+        target = load_gguf(path, load_dtype, device)
+    else:
+        where = path if kind == "dir" else hub_snapshot(text)
+        target = Target.from_pretrained(where, dtype=load_dtype, device=device)
+    if runner == "transformers":
+        return target
+    why = supports(target.config)
+    if why and runner == "native":
+        raise TargetError(f"{why}: use --runner transformers")
+    if why:  # auto: the transformers target, in the dtype asked for
+        return target if target.dtype == dtype else Target(target.model.to(dtype), target.tokenizer)
+    run = RunnerTarget.from_target(target, plan, dtype)
+    target.model.to(dtype)  # the transformers model (bench's peers, export) in the runner's dtype too
+    return run
+
+
+def default_quantization(dtype: torch.dtype, quantize: str = "auto") -> Quantization:
+    """The native runner's weights. Explicit "none" / "int8" / "int4" apply to layers and head alike.
+    "auto": int8 per channel with bf16 activations (the exact combination, see `RunnerTarget.exact`),
+    dense otherwise. Not int4 by default, although the built-in SmolLM2 ships Q4_1 layers: torch's int4
+    kernel takes its scales in the activation dtype, and bf16 scales move SmolLM2's weights enough to
+    flip its near-ties (its answer to "What is the capital of France?" changes; int8 keeps it)."""
+    from .runner import QUANTIZE
+
+    if quantize == "auto":
+        return Quantization.of("int8" if dtype == torch.bfloat16 else "none")
+    if quantize not in QUANTIZE:
+        raise TargetError(f"quantize must be auto or one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    return Quantization.of(quantize)

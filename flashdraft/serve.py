@@ -836,6 +836,8 @@ class ServeConfig:
     speculation: str = DEFAULT_SPECULATION  # fixed blocks, or the adaptive rule (flashdraft.adaptive)
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
+    runner: str = "auto"  # the target's model code: native where it covers the architecture
+    quantize: str = "auto"  # the native runner's weights (flashdraft.models.default_quantization)
     model_name: str | None = None  # None: --target as given
     max_body_bytes: int = 4 << 20
     log_level: str = "info"
@@ -872,7 +874,7 @@ def serve(cfg: ServeConfig) -> None:
     sock = bind(cfg.host, cfg.port)
     device = str(resolve_device(cfg.device))  # the one "auto" rule of every verb; refuses a missing GPU
     dtype = resolve_dtype(cfg.dtype, device)
-    target = load_target(cfg.target, dtype, device)
+    target = load_target(cfg.target, dtype, device, cfg.runner, cfg.quantize)
     if target.tokenizer is None:
         raise ValueError(
             f"target {cfg.target!r} has no tokenizer: the server needs one to read and write text"
@@ -900,7 +902,7 @@ def serve(cfg: ServeConfig) -> None:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use it", cfg.host)
     print(
         f"flashdraft serve: {cfg.model_name or cfg.target} ({'draft ' + cfg.draft if cfg.draft else 'no draft'}, "
-        f"{dtype} on {device}, batch <= {cfg.max_batch_size}) on http://{cfg.host}:{sock.getsockname()[1]}/v1",
+        f"{target.describe()} on {device}, batch <= {cfg.max_batch_size}) on http://{cfg.host}:{sock.getsockname()[1]}/v1",
         flush=True,
     )
     config = uvicorn.Config(app, log_level=cfg.log_level, timeout_graceful_shutdown=5)

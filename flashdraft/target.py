@@ -152,6 +152,12 @@ class Target:
             ids += [src] if isinstance(src, int) else list(src or [])
         return sorted(set(ids))
 
+    exact = False  # a verify rounds differently from one-token steps here (see RunnerTarget.exact)
+
+    def describe(self) -> str:
+        """Which model code, weights and dtype run, for the CLI's banners."""
+        return f"transformers, dense weights, {str(self.dtype).removeprefix('torch.')}"
+
     def default_mask_token_id(self) -> tuple[int, str | None]:
         """The tokenizer's mask token, else the last vocabulary id, with a note saying so."""
         mask = getattr(self.tokenizer, "mask_token_id", None)

@@ -298,7 +298,7 @@ def _open_run(cfg: TrainConfig, d: Dist, device: torch.device) -> tuple[Run, Pat
         ckpt = found[-1]
         ckpt_state = read_state(ckpt)
         check_resume(ckpt_state, identity, ckpt)
-    target = load_target(cfg.target, dtype, str(device))
+    target = load_target(cfg.target, dtype, str(device), runner="transformers")
     seqs, eval_prompts, stats = prepare_data(cfg, target.vocab_size, target.tokenizer)
     run = Run(
         cfg=cfg,

@@ -54,7 +54,7 @@ def main() -> int:
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"loading {TARGET} (converted from its GGUF on first use) ...", flush=True)
-    target = load_target(TARGET)  # bf16 where the CPU has it, else float32
+    target = load_target(TARGET)  # the native runner, int8 weights in bf16 where the CPU has it, else float32
     if (args.draft / "config.json").is_file():
         draft, which = DFlashDraft.from_pretrained(args.draft, dtype=target.dtype), f"draft {args.draft}"
     else:
@@ -65,7 +65,7 @@ def main() -> int:
     if args.speculation == "adaptive":  # it cuts blocks itself: give it the draft's whole block
         block = args.block_size or draft.config.block_size
     print(
-        f"{which}; {target.dtype} on {torch.get_num_threads()} threads; {args.speculation} speculation, "
+        f"{which}; target: {target.describe()}, {torch.get_num_threads()} threads; {args.speculation} speculation, "
         f"DFlash verifies blocks of up to {block}\n"
     )
     tok = target.tokenizer
@@ -91,7 +91,7 @@ def main() -> int:
         same = plain.tokens == spec.tokens
         print(
             f"[plain {plain.tokens_per_s:.1f} tok/s | dflash {spec.tokens_per_s:.1f} tok/s, tau {spec.tau:.2f} | "
-            f"{'same tokens as plain' if same else 'differs from plain (README, Lossless: dtype rounding)'}]\n"
+            f"{'same tokens as plain' if same else 'DIFFERS from plain (docs/lossless.md: rounding)'}]\n"
         )
     (n_p, t_p), (n_d, t_d) = totals["plain"], totals["dflash"]
     speedup = (n_d / t_d) / (n_p / t_p)

@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=8, help="timed forwards per variant and round")
     args = ap.parse_args()
-    ref = load_target(args.target, dtype=torch.bfloat16)
+    ref = load_target(args.target, dtype=torch.bfloat16, runner="transformers")
     variants = {"transformers bf16": ref}
     for q in ("none", "int8", "int4"):
         t0 = time.perf_counter()

@@ -172,9 +172,9 @@ def test_numerics_and_reference_comparison(greedy):
     assert n["prompts"] == [p.id for p in shortest] and n["block_size"] == max(BLOCKS)
     comparisons = [r["comparison"] for r in n["rows"]]
     assert comparisons == [
-        "dflash-b8 vs plain, bfloat16",
-        "dflash-b8 vs plain, float32",
-        "plain bfloat16 vs plain float32",
+        "dflash-b8 vs plain, transformers, dense weights, bfloat16",
+        "dflash-b8 vs plain, transformers, dense weights, float32",
+        "plain (transformers, dense weights, bfloat16) vs plain (transformers, dense weights, float32)",
     ]
     for r in n["rows"]:
         div = [d for d in r["first_divergence"] if d is not None]

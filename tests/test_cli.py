@@ -269,14 +269,27 @@ def test_export_to_transformers_gives_our_tokens_in_stock_generate(dirs, tmp_pat
                  "--target", str(target_dir)]) == 2  # fmt: skip
 
 
-def test_generate_reports_device_and_dtype_and_warns_in_bf16(dirs):
+def test_generate_reports_what_runs_and_warns_where_it_is_not_exact(dirs):
+    """The JSON names device, dtype and runner; the one-line note appears exactly for the settings whose
+    verify rounds differently from one-token steps (bf16 without quantized weights), not for the
+    default bf16 (native runner, int8) nor for float64."""
     target, draft = dirs
     common = ["generate", "--target", str(target), "--prompt-ids", "3,17,42", "--max-new-tokens", "4"]
-    exact = run(*common, "--dtype", "float64", "--draft", str(draft), "--json")
+    common += ["--draft", str(draft), "--json"]
+    exact = run(*common, "--dtype", "float64")
     out = json.loads(exact.stdout)
-    assert out["device"] == "cpu" and out["dtype"] == "float64" and "note: in" not in exact.stderr
-    proc = run(*common, "--dtype", "bfloat16", "--draft", str(draft), "--json")
-    assert "note: in bfloat16" in proc.stderr and "--dtype float32" in proc.stderr
+    assert out["device"] == "cpu" and out["dtype"] == "float64" and "note:" not in exact.stderr
+    assert out["runner"] == "native runner, dense weights, float64"
+    default = run(*common, "--dtype", "bfloat16")
+    assert json.loads(default.stdout)["runner"] == "native runner, int8 weights, bfloat16"
+    assert "note:" not in default.stderr
+    for extra, what in (
+        (["--quantize", "none"], "native runner, dense weights, bfloat16"),
+        (["--runner", "transformers"], "transformers, dense weights, bfloat16"),
+    ):
+        proc = run(*common, "--dtype", "bfloat16", *extra)
+        assert json.loads(proc.stdout)["runner"] == what
+        assert f"note: {what}: a verify pass" in proc.stderr and "--dtype float32" in proc.stderr
 
 
 def test_device_auto_and_a_missing_gpu():

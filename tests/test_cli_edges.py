@@ -36,6 +36,12 @@ def dirs(tmp_path_factory):
         "finish": "stop",
     }
     (root / "data.jsonl").write_text(json.dumps(rec) + "\n")
+    import transformers as tf
+
+    small = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2
+    )
+    tf.OlmoForCausalLM(tf.OlmoConfig(**small)).save_pretrained(root / "olmo")
     return root
 
 
@@ -111,6 +117,15 @@ BAD = [
     ("init-draft", ["--target-layer-ids", "1,x"], "--target-layer-ids: expected comma-separated integers"),
     ("init-draft", ["--target", MISSING], "is not a built-in name"),
     ("export", ["--target", MISSING], "is not a built-in name"),
+    (
+        "generate",
+        ["--runner", "transformers", "--quantize", "int8"],
+        "--quantize int8 needs the native runner",
+    ),
+    ("serve", ["--runner", "transformers", "--quantize", "int4"], "--quantize int4 needs the native runner"),
+    ("bench", ["--runner", "transformers", "--quantize", "int8"], "--quantize int8 needs the native runner"),
+    ("generate", ["--target", "{olmo}", "--runner", "native"], "the native runner covers llama"),
+    ("serve", ["--target", "{olmo}", "--runner", "native"], "not 'olmo': use --runner auto or transformers"),
 ]
 
 
@@ -120,6 +135,7 @@ def test_bad_options_are_refused_before_any_model_loads(
 ):
     """One line, exit code 2, and no model has started loading (the loaders raise LoadingStarted)."""
     fill = {"t": dirs / "target", "d": dirs / "draft", "data": dirs / "data.jsonl", "out": tmp_path}
+    fill["olmo"] = dirs / "olmo"  # an architecture the native runner does not cover
     argv = [verb, *(a.format(**fill) for a in BASE[verb] + bad)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -236,10 +236,10 @@ def test_load_target_dispatch(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "load_hf_model", lambda *a: seen.append(("name", a[0])))
     monkeypatch.setattr(models, "load_gguf", lambda *a: seen.append(("gguf", Path(a[0]).name)))
     monkeypatch.setattr(Target, "from_pretrained", classmethod(lambda cls, p, **k: seen.append(("dir", p))))
-    load_target(SMOL)
+    load_target(SMOL, runner="transformers")
     (tmp_path / "m.GGUF").write_bytes(b"")  # a missing .gguf is refused before dispatch (target_kind)
-    load_target(tmp_path / "m.GGUF")
-    load_target(tmp_path)
+    load_target(tmp_path / "m.GGUF", runner="transformers")
+    load_target(tmp_path, runner="transformers")
     assert seen == [("name", SMOL), ("gguf", "m.GGUF"), ("dir", tmp_path)]
     with pytest.raises(TargetError, match="not a built-in name .*gemma3-270m.*smollm2-135m-instruct"):
         load_target(tmp_path / "nowhere")

@@ -1,4 +1,4 @@
-"""The native runner: our own model code for the target (Llama / Qwen2 / Qwen3 families) with a
+"""The native runner: our own model code for the target (Llama / Qwen2 / Qwen3 families, Gemma 3) with a
 preallocated KV cache and optional int8 / int4 weights, behind the `flashdraft.target.Target` interface.
 
 `RunnerTarget.from_target(target, quantize=...)` builds it from a loaded transformers target; the
@@ -6,7 +6,7 @@ transformers `Target` stays the fallback for other architectures and the referen
 """
 
 from .cache import KVCache
-from .llama import FAMILIES, RunnerTarget
-from .quant import QUANTIZE
+from .quant import QUANTIZE, Quantization
+from .target import FAMILIES, RunnerTarget, supports
 
-__all__ = ["FAMILIES", "QUANTIZE", "KVCache", "RunnerTarget"]
+__all__ = ["FAMILIES", "QUANTIZE", "KVCache", "Quantization", "RunnerTarget", "supports"]

@@ -11,12 +11,43 @@ A quantized layer is its own model: exact means equal to plain decoding with the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 QUANTIZE = ("none", "int8", "int4")
 GROUP = 32  # int4 group size along the input dimension (GGUF's Q4_0 / Q4_1 blocks are 32 too)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How the weights are stored: the decoder layers' linears, and the head (a GGUF often keeps its
+    embedding / head at more bits than its layers: SmolLM2's built-in file has Q4_1 layers and a Q8_0
+    embedding)."""
+
+    layers: str = "none"
+    head: str = "none"
+
+    def __post_init__(self):
+        for what in (self.layers, self.head):
+            if what not in QUANTIZE:
+                raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {what!r}")
+
+    @classmethod
+    def of(cls, spec: str | Quantization) -> Quantization:
+        """ "int8" -> int8 everywhere; a Quantization as it is."""
+        return spec if isinstance(spec, Quantization) else cls(spec, spec)
+
+    @property
+    def quantized(self) -> bool:
+        return self.layers != "none" and self.head != "none"
+
+    def __str__(self) -> str:
+        if self.layers == self.head:
+            return "dense" if self.layers == "none" else self.layers
+        return f"{self.layers} layers + {self.head} head"
 
 
 class Linear(nn.Module):

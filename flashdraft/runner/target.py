@@ -1,0 +1,143 @@
+"""`RunnerTarget`: the native runner behind the interface of `flashdraft.target.Target`.
+
+The engine, the proposers, the server and the CLI use a target through a few attributes and methods
+(forward over new positions with features from chosen layers, a cache, crop, masks for per-slot
+positions, the tokenizer). This class gives them those, computed by our own model code for the
+target's family (`FAMILIES`), with weights stored as `quant.Quantization` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..target import Target, TargetError
+from . import gemma, llama
+from .cache import KVCache
+from .quant import Quantization
+
+# model_type -> the model code that computes it
+FAMILIES: dict[str, type[nn.Module]] = {name: m.Runner for m in (llama, gemma) for name in m.FAMILIES}
+
+
+def supports(config) -> str | None:
+    """None if the native runner computes models of this (transformers) config, else why not."""
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        return f"the native runner covers {', '.join(FAMILIES)} models, not {family!r}"
+    try:
+        FAMILIES[family].check(config)
+    except TargetError as e:
+        return str(e).split(":")[0]
+    return None
+
+
+class RunnerTarget:
+    """A `Target` look-alike that runs our model code with its own preallocated cache. Build it with
+    `from_target`."""
+
+    def __init__(
+        self, target: Target, quantize: str | Quantization = "none", dtype: torch.dtype | None = None
+    ):
+        cfg = target.config
+        why = supports(cfg)
+        if why:
+            raise TargetError(f"{why}: use --runner transformers")
+        try:
+            plan = Quantization.of(quantize)
+        except ValueError as e:
+            raise TargetError(str(e)) from None
+        dtype = dtype or target.dtype
+        if (plan.layers != "none" or plan.head != "none") and dtype not in (
+            torch.bfloat16,
+            torch.float16,
+            torch.float32,
+        ):
+            raise TargetError(f"{plan} weights need float32, float16 or bfloat16 activations, not {dtype}")
+        self.reference, self.quantization = target, plan
+        self.tokenizer, self.config = target.tokenizer, cfg
+        self.num_layers, self.hidden_size, self.head_layout = (
+            target.num_layers,
+            target.hidden_size,
+            target.head_layout,
+        )
+        self.vocab_size, self.max_length = target.vocab_size, target.max_length
+        self.runner = FAMILIES[cfg.model_type](target.model, plan, dtype).to(target.device)
+        self.embedding = nn.Embedding.from_pretrained(self.runner.embed, freeze=True)
+        self.lm_head = self.runner.head  # a draft proposes through it (a quantized head is faster)
+        self.model = target.model  # generation_config and export still read it
+
+    @classmethod
+    def from_target(
+        cls, target: Target, quantize: str | Quantization = "none", dtype: torch.dtype | None = None
+    ) -> RunnerTarget:
+        """The native runner for a loaded transformers target (HF directory or converted GGUF), with
+        `quantize` weights ("none", "int8": per output channel, "int4": groups of 32, or a
+        `Quantization` for layers and head apart) and activations in `dtype` (default: the target's)."""
+        return cls(target, quantize, dtype)
+
+    dtype = property(lambda self: self.runner.embed.dtype)
+    device = property(lambda self: self.runner.embed.device)
+    stop_ids = property(lambda self: self.reference.stop_ids)
+
+    @property
+    def exact(self) -> bool:
+        """Whether verify rows equal one-token steps and rows do not depend on their batch, bitwise:
+        every linear quantized (batch-invariant kernels) with bf16 activations (tests/test_runner.py)."""
+        return self.quantization.quantized and self.dtype == torch.bfloat16
+
+    def describe(self) -> str:
+        """Which weights and numerics run, for the CLI's banners."""
+        return f"native runner, {self.quantization} weights, {str(self.dtype).removeprefix('torch.')}"
+
+    def default_mask_token_id(self):
+        return self.reference.default_mask_token_id()
+
+    def new_cache(self, sliding: bool = True) -> KVCache:
+        """`sliding` is accepted for the Target interface: this cache keeps every slot (windows are
+        applied by the masks)."""
+        return KVCache(self.num_layers, *self.head_layout[1:], self.dtype, self.device)
+
+    @staticmethod
+    def crop(cache: KVCache, length: int) -> None:
+        cache.crop(length)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.runner.embed)
+
+    def attention_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """Masks for slots that are not in position order (see `Target.attention_mask`)."""
+        return self.runner.attention_mask(q_pos, k_pos)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        logits_to_keep: int = 0,
+        features: Sequence[int] | None = None,
+        attention_mask=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As `Target.forward`: logits (B, T or logits_to_keep, V) and the features of the listed
+        layers (the last one: the final-normed output), concatenated (B, T, n*H)."""
+        bad = [i for i in features or () if not 0 <= i < self.num_layers]
+        if bad:
+            raise TargetError(
+                f"target layer ids {bad} are outside the target's layers 0..{self.num_layers - 1}"
+            )
+        b, t = input_ids.shape
+        start = cache.reserve(b, t)
+        if attention_mask is None and (t > 1 or self.runner.windowed):
+            # Causal over slots in position order: slot j holds position j + (positions[0] - start).
+            slots = torch.arange(start + t, device=input_ids.device)
+            attention_mask = self.attention_mask(positions, slots[None] + (positions[:, :1] - start))
+        x, caught = self.runner(input_ids, positions, cache, start, attention_mask, set(features or ()))
+        cache.length = start + t
+        caught[self.num_layers - 1] = x  # as transformers' hidden_states[-1]: the final-normed output
+        feats = torch.cat([caught[i] for i in features], -1) if features else None
+        keep = x[:, -logits_to_keep:].contiguous() if 0 < logits_to_keep < t else x
+        return self.runner.head(keep), feats
