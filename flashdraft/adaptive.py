@@ -1,17 +1,18 @@
 """Adaptive speculation: each step, whether to draft at all and how many drafted tokens to verify, chosen for
 the most committed tokens per second on this machine, with n-gram lookup as a free second proposer.
 
-Costs are measured, not assumed: a verify forward over n tokens (all rows together) takes a + b*n seconds,
-fitted to the engine's own timings of speculative steps; a plain step (one token per row) is timed apart,
+Costs are measured, not assumed: a verify forward over n tokens (all rows together) takes what it took
+at that n, else a + b*n seconds fitted to the engine's own timings of speculative steps; a plain step (one token per row) is timed apart,
 since going from one token per row to a few costs more than b on CPUs (matrix-vector to matrix-matrix
 kernels); a draft call takes d. Acceptance is learned as it happens: the
 draft's confidence at a block position (the peak of its distribution there) is mapped to the chance that
 the verifier accepts that position, given it reached it, by a calibration table per confidence bin.
 
 - Cut: drafted token i is verified while the chance that tokens 1..i are all accepted, P_i, is worth its
-  verify cost: P_i >= b * R, where R = B / plain(B) is the plain decoding rate of the B running rows. The
-  step as a whole must then beat a plain step: (B + expected accepted) / (a + b * block tokens) >= R, else
-  it verifies nothing (a row exploring, below, still verifies its one token).
+  verify cost: P_i >= b * R, where R = B / plain(B) is the plain decoding rate of the B running rows. Then
+  every row is cut to the common length that commits the most per second (a shorter verify can sit below
+  a cost step), and the step must beat a plain step: (B + expected accepted) / verify(block tokens) >= R,
+  else it verifies nothing (a row exploring, below, still verifies its one token).
 - Draft or not, per request: a draft step pays for a row when it is expected to commit more per second
   than a plain step; the running mean gain of the row's past draft steps decides. When it does not pay,
   the row waits (plain, or n-gram where the context repeats) and tries the draft again after 1, 2, 4,
@@ -103,6 +104,21 @@ class LinearCost:
         return a, self.prior * a
 
 
+class StepCost(LinearCost):
+    """A LinearCost that also keeps what each size cost (EMA): CPU GEMM kernels take the rows of their
+    input in tiles (torch's int8 one by 4: on SmolLM2 a verify of 2-4 tokens costs 1.1 plain steps, of
+    5-8 1.6), so the cost rises in steps, and a line through all sizes misprices the sizes beside one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.by_size: dict[float, float] = {}
+
+    def add(self, n: float, seconds: float) -> None:
+        super().add(n, seconds)
+        old = self.by_size.get(n)
+        self.by_size[n] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+
 class Calibration:
     """Per confidence bin, the chance that the verifier accepts a drafted token it reached: (accepted,
     reached) counts that decay as new ones come, from a prior of 1 in 2."""
@@ -154,7 +170,7 @@ class AdaptiveProposer(Proposer):
         self.dflash, self.ngram = dflash, ngram
         self.block_size = max(p.block_size for p in (dflash, ngram) if p is not None)
         self.feature_layers = dflash.feature_layers if dflash is not None else None
-        self.verify_cost = LinearCost()  # speculative verify forwards
+        self.verify_cost = StepCost()  # speculative verify forwards
         self.plain_cost = LinearCost()  # steps that verified no proposal: one token per row
         self.draft_s: float | None = None  # seconds of one draft call (EMA)
         self.calibration = Calibration()  # the draft's, across requests (n-gram lookup's is per request)
@@ -202,14 +218,40 @@ class AdaptiveProposer(Proposer):
         plain, _, b = costs
         return b * rows / plain
 
+    def verify_s(self, tokens: int) -> float | None:
+        """Seconds of a verify forward over `tokens` tokens (all rows together): as measured at that size
+        where it was (see `StepCost`), else from the line a + b * tokens."""
+        if tokens in self.verify_cost.by_size:
+            return self.verify_cost.by_size[tokens]
+        costs = self.costs(1)
+        return None if costs is None else costs[1] + costs[2] * tokens
+
     def pays(self, rows: int, gain: float, tokens: int) -> bool:
         """Whether a verify of `tokens` tokens for `rows` rows, expected to accept `gain` drafted tokens,
         commits more per second than a plain step (what the draft cost is already spent)."""
         costs = self.costs(rows)
         if costs is None:
             return True
-        plain, a, b = costs
-        return (rows + gain) / (a + b * tokens) >= rows / plain
+        return (rows + gain) / self.verify_s(tokens) >= rows / costs[0]
+
+    def cut(self, picks: list[Pick]) -> list[Pick]:
+        """Every row cut to the verify length that commits the most per second, since a shorter verify can
+        sit below a cost step; a plain step (but for rows that explore) when no length beats one."""
+        rows, longest = len(picks), max(len(p.tokens) for p in picks)
+        if not longest:
+            return picks
+        chances = [p.table.chances(p.conf) if len(p.tokens) else torch.zeros(0) for p in picks]
+        best, best_gain, best_rate = longest, sum(p.value for p in picks), 0.0
+        for length in range(1, longest + 1):
+            gain = sum(float(c[:length].sum()) for c in chances)
+            seconds = self.verify_s(rows * (1 + length))
+            if seconds is not None and (rows + gain) / seconds > best_rate:
+                best, best_gain, best_rate = length, gain, (rows + gain) / seconds
+        if not self.pays(rows, best_gain, rows * (1 + best)):
+            return [p if p.exploring else NONE for p in picks]
+        return [
+            p if len(p.tokens) <= best else _trim(p, c, best) for p, c in zip(picks, chances, strict=True)
+        ]
 
     def wants_draft(self, state: RowState, rows: int) -> bool:
         """Whether draft steps are expected to commit more per second than plain ones, for a row whose
@@ -220,8 +262,11 @@ class AdaptiveProposer(Proposer):
         if state.gain is None or self.draft_s is None or costs is None:
             return True  # nothing measured yet
         plain, a, b = costs
-        spec = self.draft_s + a + b * rows * (1 + state.verified)
-        return (1 + state.gain) / spec > 1 / plain
+        tokens = rows * (1 + state.verified)
+        width = int(tokens)  # the measured cost at the neighbouring sizes, interpolated
+        near = [self.verify_s(n) for n in (max(width, 1), width + 1)]
+        verify = near[0] + (near[1] - near[0]) * (tokens - width) if None not in near else a + b * tokens
+        return (1 + state.gain) / (self.draft_s + verify) > 1 / plain
 
     def propose(self, rows, ks):
         batch = len(rows)  # a new request's prior depends on the batch it joins
@@ -246,9 +291,7 @@ class AdaptiveProposer(Proposer):
                 tokens, q = df[b]
                 options.append(("dflash", tokens, q, self._confidence(b, k, q), self.calibration))
             picks.append(self._choose(options, theta, st))
-        longest = max(len(p.tokens) for p in picks)
-        if longest and not self.pays(len(rows), sum(p.value for p in picks), len(rows) * (1 + longest)):
-            picks = [p if p.exploring else NONE for p in picks]  # a plain step, but for rows that explore
+        picks = self.cut(picks)
         out, self.last = [], []
         for row, p in zip(rows, picks, strict=True):
             self._settle(self.rows[row], p.source)
@@ -333,6 +376,13 @@ class AdaptiveProposer(Proposer):
                 st.wait, st.backoff = 0, 1
             elif st.wait == 0:
                 st.wait, st.backoff = st.backoff, min(64, 2 * st.backoff)
+
+
+def _trim(p: Pick, chances: torch.Tensor, length: int) -> Pick:
+    """The pick's first `length` tokens, with their expected accepted count."""
+    q = None if p.q is None else p.q[:, :length]
+    value = float(chances[:length].sum())
+    return p._replace(tokens=p.tokens[:length], q=q, conf=p.conf[:length], value=value)
 
 
 def _average(st: RowState, gain: float, verified: float, weight: float) -> None:

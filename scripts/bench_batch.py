@@ -115,6 +115,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--runner", default="auto", choices=["auto", "native", "transformers"])
+    ap.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--rounds", type=int, default=1, help="runs per method and batch size, interleaved")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -126,14 +128,14 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = load_target(args.target, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.dtype, runner=args.runner, quantize=args.quantize)
     draft = DFlashDraft.from_pretrained(args.draft, dtype=target.dtype, device=target.device)
     blocks = args.block_sizes or [draft.config.block_size]
     prompts = chat_prompts(target, args.dataset, args.prompts)
     sampling = SamplingConfig(args.temperature)
     config = GenerationConfig(args.max_new_tokens, sampling=sampling, stop_ids=target.stop_ids, seed=0)
     print(
-        f"target {args.target} ({target.dtype}), draft {args.draft}, {len(prompts)} {args.dataset} prompts, "
+        f"target {args.target} ({target.describe()}), draft {args.draft}, {len(prompts)} {args.dataset} prompts, "
         f"{args.max_new_tokens} new tokens, temperature {args.temperature}, {torch.get_num_threads()} threads",
         flush=True,
     )
@@ -178,6 +180,7 @@ def main():
             },
             "block_sizes": blocks,
             "dtype": str(target.dtype).removeprefix("torch."),
+            "runner": target.describe(),
             "threads": torch.get_num_threads(),
             "machine": {"platform": platform.platform(), "processor": platform.processor()},
             "torch": torch.__version__,

@@ -242,3 +242,25 @@ def test_the_draft_call_is_part_of_what_a_draft_step_costs():
     assert adaptive.wants_draft(row, 1)
     adaptive.draft_s = DRAFT_S
     assert not adaptive.wants_draft(row, 1)
+
+
+def test_rows_are_cut_below_a_cost_step():
+    """Verifies of 2-4 tokens cost 1.1 plain steps, of 5-8 2.5 (a kernel that takes rows by 4, more
+    steeply than on our CPU). With chances 0.9 per position the per-token threshold keeps all 7 drafted
+    tokens; the measured costs cut them to 3 (3.4 tokens for 1.1 s, against 4.1 for 2.5 s with 4); a line
+    through those costs (0.41 + 0.30 n) prices 5 tokens at 1.9 s and would keep 4."""
+    adaptive = AdaptiveProposer(None, NgramProposer())
+    adaptive.plain_cost.add(1, 1.0)
+    for n in range(2, 9):
+        adaptive.verify_cost.add(n, 1.1 if n <= 4 else 2.5)
+    table = Calibration()
+    table.hits = table.seen * 0.9
+    conf = torch.full((7,), 0.5)
+    options = [("dflash", torch.arange(7), None, conf, table)]
+    pick = AdaptiveProposer._choose(options, adaptive.threshold(1), RowState())
+    assert len(pick.tokens) == 7  # what the per-token threshold alone keeps
+    (cut,) = adaptive.cut([pick])
+    assert cut.tokens.tolist() == [0, 1, 2] and cut.value == pytest.approx(0.9 + 0.81 + 0.729)
+    assert cut.conf.shape == (3,)
+    adaptive.verify_cost.by_size.clear()  # the line alone
+    assert len(adaptive.cut([pick])[0].tokens) == 4
