@@ -307,3 +307,23 @@ def test_refuses_what_it_does_not_run():
         RunnerTarget.from_target(Target(make_hf_model("llama")), "int8")
     with pytest.raises(ValueError, match="quantize must be"):
         RunnerTarget.from_target(Target(make_hf_model("llama")), "int3")
+
+
+@torch.inference_mode()
+def test_the_cache_keeps_its_slots_when_it_grows():
+    """A prompt that nearly fills the cache's first capacity (cache.CHUNK slots), then a block and steps
+    past it: the buffers are reallocated and what they held is copied over, so the logits still equal
+    transformers' in float64."""
+    from flashdraft.runner.cache import CHUNK
+
+    ref, run = pair("llama")
+    caches = (ref.new_cache(sliding=False), run.new_cache())
+    g = torch.Generator().manual_seed(8)
+    n = CHUNK - 3
+    steps = [(torch.randint(0, 128, (1, n), generator=g), torch.arange(n)[None])]
+    steps.append((torch.randint(0, 128, (1, 5), generator=g), torch.arange(n, n + 5)[None]))
+    steps += [(torch.randint(0, 128, (1, 1), generator=g), torch.tensor([[n + 5 + i]])) for i in range(3)]
+    for x, pos in steps:
+        la, lb = (t.forward(x, pos, c)[0] for t, c in zip((ref, run), caches, strict=True))
+        assert_close(la, lb, ("growth", pos[0, 0].item()))
+    assert caches[1].capacity == 2 * CHUNK
