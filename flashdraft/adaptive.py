@@ -241,9 +241,10 @@ class AdaptiveProposer(Proposer):
         if not longest:
             return picks
         chances = [p.table.chances(p.conf) if len(p.tokens) else torch.zeros(0) for p in picks]
+        sums = [[0.0, *c.cumsum(0).tolist()] for c in chances]  # expected accepted, by length: once per row
         best, best_gain, best_rate = longest, sum(p.value for p in picks), 0.0
         for length in range(1, longest + 1):
-            gain = sum(float(c[:length].sum()) for c in chances)
+            gain = sum(x[min(length, len(x) - 1)] for x in sums)
             seconds = self.verify_s(rows * (1 + length))
             if seconds is not None and (rows + gain) / seconds > best_rate:
                 best, best_gain, best_rate = length, gain, (rows + gain) / seconds
@@ -261,11 +262,10 @@ class AdaptiveProposer(Proposer):
         costs = self.costs(rows)
         if state.gain is None or self.draft_s is None or costs is None:
             return True  # nothing measured yet
-        plain, a, b = costs
-        tokens = rows * (1 + state.verified)
-        width = int(tokens)  # the measured cost at the neighbouring sizes, interpolated
-        near = [self.verify_s(n) for n in (max(width, 1), width + 1)]
-        verify = near[0] + (near[1] - near[0]) * (tokens - width) if None not in near else a + b * tokens
+        plain = costs[0]
+        tokens = rows * (1 + state.verified)  # the costs at the neighbouring sizes, interpolated
+        lo, hi = self.verify_s(int(tokens)), self.verify_s(int(tokens) + 1)
+        verify = lo + (hi - lo) * (tokens - int(tokens))
         return (1 + state.gain) / (self.draft_s + verify) > 1 / plain
 
     def propose(self, rows, ks):
