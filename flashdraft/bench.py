@@ -967,7 +967,7 @@ def _cast_draft(draft: DFlashDraft, dtype: torch.dtype) -> DFlashDraft:
         return draft
     twin = DFlashDraft(draft.config)
     twin.load_state_dict(draft.state_dict())
-    twin.set_vocab(draft.vocab)
+    twin.set_vocab(draft.vocab, draft.vocab_rows)
     return twin.to(device=next(draft.parameters()).device, dtype=dtype).eval()
 
 

@@ -176,9 +176,23 @@ def cmd_init_draft(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export_transformers
+    import tempfile
+
+    from .export import export_gguf, export_transformers, target_gguf
 
     draft = DFlashDraft.from_pretrained(local_dir(args.draft))  # exported in the dtype it was saved in
+    if args.to == "gguf":
+        with tempfile.TemporaryDirectory(prefix="flashdraft-export-") as scratch:
+            source = target_gguf(args.target, Path(scratch))  # before loading: an HF target is refused now
+            target = load_target(args.target, torch.float32, runner="transformers")
+            out = export_gguf(draft, target, source, args.out)
+        print(
+            f"wrote {out}: llama.cpp's DFlash draft ({len(draft.layers)} layers, block {draft.config.block_size}"
+            f"{'' if draft.vocab is None else f', draft vocabulary of {len(draft.vocab)} tokens'}); run it as "
+            f"llama-server -m TARGET.gguf -md {out} --spec-type draft-dflash --spec-draft-n-max "
+            f"{draft.config.block_size - 1}"
+        )
+        return 0
     target = load_target(args.target, next(draft.parameters()).dtype, runner="transformers")
     out = export_transformers(draft, target, args.out)
     print(
@@ -373,10 +387,12 @@ def _add_draft_verbs(sub) -> None:
     i.add_argument("--force", action="store_true", help="replace the files of an existing --out")
     i.set_defaults(func=cmd_init_draft)
 
-    x = sub.add_parser("export", help="write a draft in another engine's format (transformers' DFlash)")
-    x.add_argument("--to", choices=["transformers"], required=True, help="the format to write")
+    x = sub.add_parser(
+        "export", help="write a draft in another engine's format (transformers' DFlash, llama.cpp's GGUF)"
+    )
+    x.add_argument("--to", choices=["transformers", "gguf"], required=True, help="the format to write")
     x.add_argument("draft", help="the draft directory")
-    x.add_argument("out", help="the directory to write")
+    x.add_argument("out", help="the directory (transformers) or .gguf file (gguf) to write")
     x.add_argument(
         "--target", required=True, help="the draft's target: built-in name, a .gguf file or a local HF model"
     )
@@ -588,6 +604,17 @@ def check_args(args) -> None:
             check_dataset_name(name)
     if getattr(args, "draft", None):
         _draft_dir(args.draft, "DRAFT" if args.cmd == "export" else "--draft")
+    if args.cmd == "export" and args.to == "gguf":
+        if target_kind(args.target) not in ("builtin", "gguf"):
+            raise UsageError(
+                f"--to gguf needs the target as a GGUF (a built-in name or a .gguf file), not {args.target!r}: "
+                "the draft file carries the target's tokenizer. Convert the target with llama.cpp's "
+                "convert_hf_to_gguf.py and pass --target that.gguf"
+            )
+        if Path(args.out).is_dir():
+            raise UsageError(
+                f"OUT {args.out} is a directory: --to gguf writes one file, e.g. {args.out}/draft.gguf"
+            )
     if args.cmd == "init-draft":
         out = Path(args.out)
         if out.exists() and not out.is_dir():

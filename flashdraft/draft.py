@@ -7,7 +7,8 @@ through the draft's MLPs: drafting costs a handful of block tokens, whatever the
 
 The checkpoint format is the one of the published drafts, vLLM and SGLang (`config.json` with
 `architectures: ["DFlashDraftModel"]`, `dflash_config`, and bare `layers.*` / `fc` / `norm` weights),
-so module names below are load-bearing: they are the safetensors keys.
+so module names below are load-bearing: they are the safetensors keys. A draft vocabulary adds `d2t` and
+`lm_head.weight` as those engines read an EAGLE-3 draft's (`D2T`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ from .files import atomic_write
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-# The draft vocabulary: an optional extra beside the published files. Loaders that do not know it
-# (vLLM, SGLang, the `dflash` package) ignore it and run the draft with the full LM head.
-VOCAB_NAME = "draft_vocab.safetensors"
+# The draft vocabulary (optional), stored as vLLM and SGLang read an EAGLE-3 draft's reduced head: in
+# model.safetensors, `d2t` (int64: target id minus draft id, for draft ids 0..n-1, the target ids in
+# increasing order) and `lm_head.weight` (the target's LM head rows of those ids: an engine runs a
+# draft whose head is smaller than the target's with the draft's own), and `draft_vocab_size` in
+# config.json. flashdraft computes the proposals through the target's own head (the same rows).
+D2T, HEAD = "d2t", "lm_head.weight"
+# The layout before: the ids in a file of their own beside model.safetensors. Read, never written
+# (vLLM loads every *.safetensors of a folder and refused it).
+OLD_VOCAB_NAME = "draft_vocab.safetensors"
 
 
 class DraftError(ValueError):
@@ -402,9 +409,10 @@ class DFlashDraft(nn.Module):
 
         self.rotary = Qwen3RotaryEmbedding(config.to_hf())
         self.reset_parameters()
-        # Token ids the draft proposes from (sorted), or None for the whole vocabulary. Not a parameter
-        # or buffer: model.safetensors keeps the published layout; it travels in VOCAB_NAME.
+        # Token ids the draft proposes from (sorted), or None for the whole vocabulary, and the target's
+        # head rows of those ids (saved as lm_head.weight). Not parameters: the draft trains no head.
         self.vocab: torch.Tensor | None = None
+        self.vocab_rows: torch.Tensor | None = None
         self._vocab_head: tuple | None = None  # (key, weight rows, bias rows) of the last LM head seen
 
     @torch.no_grad()
@@ -480,15 +488,34 @@ class DFlashDraft(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def set_vocab(self, token_ids: torch.Tensor | list[int] | None) -> None:
-        """Restrict proposals to these token ids (the draft vocabulary), or lift it with None."""
+    def set_vocab(self, token_ids: torch.Tensor | list[int] | None, head: torch.Tensor | None = None) -> None:
+        """Restrict proposals to these token ids (the draft vocabulary), or lift it with None. `head`:
+        the target's LM head weight (vocab, hidden), whose rows of these ids are saved with the draft
+        (`save_pretrained` needs them), or already those rows (n, hidden) in the ids' sorted order."""
         if token_ids is None:
-            self.vocab, self._vocab_head = None, None
+            self.vocab, self.vocab_rows, self._vocab_head = None, None, None
             return
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
         if not ids.numel() or int(ids.min()) < 0 or ids.unique().numel() != ids.numel():
             raise DraftError("a draft vocabulary is a non-empty list of distinct, non-negative token ids")
-        self.vocab, self._vocab_head = ids.sort().values, None
+        ids = ids.sort().values
+        rows = None
+        if head is not None:
+            head = head.detach()
+            if head.dim() != 2 or head.shape[1] != self.config.hidden_size:
+                raise DraftError(
+                    f"the LM head for the draft vocabulary must be (vocab, {self.config.hidden_size}), "
+                    f"got {tuple(head.shape)}"
+                )
+            if head.shape[0] == ids.numel():
+                rows = head.cpu().clone()
+            elif int(ids.max()) < head.shape[0]:
+                rows = head[ids.to(head.device)].cpu()
+            else:
+                raise DraftError(
+                    f"draft vocabulary id {int(ids.max())} is past the LM head's {head.shape[0]} rows"
+                )
+        self.vocab, self.vocab_rows, self._vocab_head = ids, rows, None
 
     def propose_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Logits over the whole vocabulary for proposing: with a draft vocabulary, only its rows of the
@@ -521,19 +548,25 @@ class DFlashDraft(nn.Module):
     # -- checkpoint format ------------------------------------------------------------------
 
     def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """Write config.json + model.safetensors atomically (temp files, then rename)."""
+        """Write config.json + model.safetensors atomically (temp files, then rename), the draft
+        vocabulary inside them (see `D2T`)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: (v.to(dtype) if dtype else v).detach().contiguous() for k, v in self.state_dict().items()}
         cfg = self.config.to_json()
         cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        if self.vocab is not None:
+            if self.vocab_rows is None:
+                raise DraftError(
+                    "this draft has a draft vocabulary but not the target's LM head rows to save with it: "
+                    "call set_vocab(ids, target.lm_head.weight) first"
+                )
+            state[D2T] = (self.vocab - torch.arange(len(self.vocab))).contiguous()
+            state[HEAD] = self.vocab_rows.to(state["fc.weight"].dtype).contiguous()
+            cfg["draft_vocab_size"] = len(self.vocab)
         atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
         atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(cfg, indent=2) + "\n"))
-        if self.vocab is None:
-            (directory / VOCAB_NAME).unlink(missing_ok=True)  # a stale one would restrict the new weights
-        else:
-            vocab = {"token_ids": self.vocab.contiguous()}
-            atomic_write(directory / VOCAB_NAME, lambda p: save_file(vocab, p, metadata={"format": "pt"}))
+        (directory / OLD_VOCAB_NAME).unlink(missing_ok=True)  # a stale one would restrict the new weights
 
     @classmethod
     def from_pretrained(
@@ -547,6 +580,7 @@ class DFlashDraft(nn.Module):
         directory = Path(directory)
         config = DraftConfig.read(directory)
         state = _load_weights(directory)
+        ids, rows = _read_vocab(directory, state)
         model = cls(config)
         expected = model.state_dict()
         missing = sorted(set(expected) - set(state))
@@ -569,13 +603,8 @@ class DFlashDraft(nn.Module):
         if dtype is None:
             dtype = next(iter(state.values())).dtype
         model.load_state_dict(state)
-        if vocab and (directory / VOCAB_NAME).is_file():
-            try:
-                model.set_vocab(load_file(str(directory / VOCAB_NAME))["token_ids"])
-            except (SafetensorError, OSError, KeyError) as e:
-                raise DraftError(
-                    f"{directory / VOCAB_NAME} is unreadable ({e}): delete it to use the full vocabulary"
-                ) from e
+        if vocab and ids is not None:
+            model.set_vocab(ids, rows)
         return model.to(device=device, dtype=dtype).eval()
 
     def check_target(self, target) -> None:
@@ -625,6 +654,30 @@ def _load_weights(directory: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise DraftError(f"{f} is corrupt or truncated ({e}): re-download or re-save the draft") from e
     return state
+
+
+def _read_vocab(directory: Path, state: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The draft vocabulary's ids and head rows, taken out of `state` (or read from the old layout's
+    file, which has no rows); (None, None) without one."""
+    d2t, rows = state.pop(D2T, None), state.pop(HEAD, None)
+    if d2t is None:
+        if rows is not None:
+            raise DraftError(f"{directory / WEIGHTS_NAME} has {HEAD} but no {D2T}: re-save the draft")
+        old = directory / OLD_VOCAB_NAME
+        if not old.is_file():
+            return None, None
+        try:
+            return load_file(str(old))["token_ids"], None
+        except (SafetensorError, OSError, KeyError) as e:
+            raise DraftError(f"{old} is unreadable ({e}): delete it to use the full vocabulary") from e
+    ids = torch.arange(len(d2t)) + d2t.long()
+    declared = json.loads((directory / CONFIG_NAME).read_text()).get("draft_vocab_size", len(d2t))
+    if rows is None or rows.shape[0] != len(d2t) or declared != len(d2t):
+        raise DraftError(
+            f"{directory}: the draft vocabulary is inconsistent ({D2T} {len(d2t)} ids, {HEAD} "
+            f"{None if rows is None else tuple(rows.shape)}, draft_vocab_size {declared}): re-save the draft"
+        )
+    return ids, rows
 
 
 def init_draft_config(

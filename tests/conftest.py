@@ -115,6 +115,16 @@ def make_draft(
     return draft.to(dtype)
 
 
+def engine_target(model, tokenizer=None):
+    """The target `load_target` runs for this model by default: the native runner where it covers the
+    family (dense weights in the model's float64), else the transformers target. The exactness and
+    sampling tests run through it; `Target(model)` stays the reference."""
+    from flashdraft.runner import RunnerTarget, supports
+
+    target = Target(model, tokenizer)
+    return RunnerTarget.from_target(target) if supports(model.config) is None else target
+
+
 @pytest.fixture(scope="session", params=ARCHS)
 def arch(request):
     return request.param

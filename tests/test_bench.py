@@ -471,10 +471,11 @@ def test_implausible_rows_are_marked_in_the_markdown(greedy):
 def test_cast_draft_keeps_the_draft_vocabulary(tiny):
     target, draft = tiny
     reduced = make_draft(target.model, layers=1, block_size=8)
-    reduced.set_vocab([0, 2, 3, 5, 7, 11, 13])
+    reduced.set_vocab([0, 2, 3, 5, 7, 11, 13], target.lm_head.weight)
     cast = bench._cast_draft(reduced, torch.float32)
     assert next(cast.parameters()).dtype == torch.float32 and cast is not reduced
     assert cast.vocab.tolist() == reduced.vocab.tolist()
+    assert torch.equal(cast.vocab_rows, reduced.vocab_rows)  # it saves as it was loaded
     hidden = torch.randn(1, 3, reduced.config.hidden_size, dtype=torch.float64)
     want = reduced.propose_logits(hidden, target.lm_head)
     head = torch.nn.Linear(target.lm_head.in_features, target.lm_head.out_features, bias=False)

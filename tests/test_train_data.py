@@ -143,8 +143,9 @@ def continue_from(tmp_path, vocab: list[int] | None = None, data_vocab: int = 12
 
     make_hf_model("llama", vocab=VOCAB, max_pos=512).save_pretrained(tmp_path / "target")
     write_data(tmp_path / "data.jsonl", 8, vocab=data_vocab)
-    start = make_draft(make_hf_model("llama", vocab=VOCAB), layers=1, block_size=4, target_layer_ids=[0, 2])
-    start.set_vocab(vocab)
+    model = make_hf_model("llama", vocab=VOCAB)
+    start = make_draft(model, layers=1, block_size=4, target_layer_ids=[0, 2])
+    start.set_vocab(vocab, model.get_output_embeddings().weight)
     start.save_pretrained(tmp_path / "start", dtype=torch.float32)
     base = dict(
         target=str(tmp_path / "target"),
