@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import ARCHS, DRAFT_OPTIONS, make_draft, make_hf_model
+from conftest import ARCHS, DRAFT_OPTIONS, engine_target, make_draft, make_hf_model
 from scipy.stats import chisquare
 from test_sampling import _resample_from_p  # the same broken rule the batch-1 power test uses
 
@@ -26,7 +26,6 @@ from flashdraft import (
     NgramProposer,
     Proposer,
     SamplingConfig,
-    Target,
     generate,
     generate_batch,
 )
@@ -145,7 +144,7 @@ def run_decoder(dec: Engine, prompts, configs) -> dict[str, dict]:
 @pytest.mark.parametrize("arch_name", ARCHS)
 def test_greedy_batch_equals_single_row(arch_name):
     model = make_hf_model(arch_name)
-    target = Target(model)
+    target = engine_target(model)
     vocab = model.config.vocab_size
     draft = make_draft(model)
     rng = random.Random(42)
@@ -358,7 +357,7 @@ def chi2_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
 @pytest.fixture(scope="module")
 def sampling_setup():
     model = make_hf_model("llama", vocab=V, layers=2)
-    target = Target(model)
+    target = engine_target(model)
     draft = make_draft(model, layers=1, mask_token_id=5, block_size=4)
     with torch.no_grad():
         draft.fc.weight.mul_(20)  # a confident, wrong draft: many rejections
@@ -502,7 +501,7 @@ def test_sampling_with_a_spread_draft_alone_and_batched():
     from test_sampling import sample_joint
 
     model = make_hf_model("llama", vocab=V, layers=2)
-    target = Target(model)
+    target = engine_target(model)
     # seed 2: the two drafted positions' q differ (total variation 0.10; seed 0's differ by 0.01, and a
     # verifier that swapped them went unseen)
     draft = make_draft(model, layers=1, mask_token_id=5, block_size=4, seed=2)

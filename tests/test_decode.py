@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from conftest import ARCHS, make_draft, make_hf_model
+from conftest import ARCHS, engine_target, make_draft, make_hf_model
 
 from flashdraft import (
     DFlashProposer,
@@ -12,7 +12,6 @@ from flashdraft import (
     NgramProposer,
     Proposer,
     SamplingConfig,
-    Target,
     generate,
 )
 from flashdraft.sequence import Row
@@ -63,7 +62,7 @@ def hf_greedy(model, prompt: list[int], new: int, eos: int | None) -> list[int]:
 @pytest.mark.parametrize("arch_name", ARCHS)
 def test_greedy_equals_transformers_generate(arch_name):
     model = make_hf_model(arch_name)
-    target = Target(model)
+    target = engine_target(model)
     vocab = model.config.vocab_size
     draft = DFlashProposer(make_draft(model), target)
     rng = random.Random(1234)
@@ -102,7 +101,7 @@ def test_greedy_equals_transformers_generate(arch_name):
 @pytest.mark.parametrize("arch_name", ["qwen2", "mistral"])
 def test_more_architectures_lossless(arch_name):
     model = make_hf_model(arch_name, layers=4)
-    target = Target(model)
+    target = engine_target(model)
     proposer = DFlashProposer(make_draft(model), target)
     rng = random.Random(7)
     for _ in range(5):

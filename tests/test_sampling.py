@@ -10,12 +10,12 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import make_draft, make_hf_model
+from conftest import engine_target, make_draft, make_hf_model
 from scipy.stats import chisquare
 
 import flashdraft.engine as engine
 import flashdraft.sampling as sampling
-from flashdraft import DFlashProposer, GenerationConfig, Proposer, SamplingConfig, Target, generate
+from flashdraft import DFlashProposer, GenerationConfig, Proposer, SamplingConfig, generate
 from flashdraft.sampling import probs
 
 V = 6
@@ -157,7 +157,7 @@ def test_distribution_test_has_power(monkeypatch, broken):
 def test_dflash_draft_sampling_on_hf_target():
     """End to end with a real (tiny, 6-token vocabulary) HF target and a random DFlash draft."""
     model = make_hf_model("llama", vocab=V, layers=2)
-    target = Target(model)
+    target = engine_target(model)
     draft = make_draft(model, layers=1, mask_token_id=5)
     with torch.no_grad():
         draft.fc.weight.mul_(20)  # a confident, wrong draft: many rejections

@@ -9,9 +9,9 @@ import random
 
 import pytest
 import torch
-from conftest import make_draft, make_hf_model
+from conftest import engine_target, make_draft, make_hf_model
 
-from flashdraft import Engine, GenerationConfig, SamplingConfig, Target, generate
+from flashdraft import Engine, GenerationConfig, SamplingConfig, generate
 
 SEEDED = GenerationConfig(40, sampling=SamplingConfig(1.0), seed=1234)
 PROMPT = [5, 17, 3, 99, 42]
@@ -20,7 +20,7 @@ PROMPT = [5, 17, 3, 99, 42]
 @pytest.fixture(scope="module")
 def models():
     model = make_hf_model("llama", vocab=128, layers=2)
-    return Target(model), make_draft(model, layers=1, block_size=4)
+    return engine_target(model), make_draft(model, layers=1, block_size=4)
 
 
 def run(target, draft, batched: bool, global_seed: int) -> tuple[list[int], dict[str, list[int]], list[int]]:
