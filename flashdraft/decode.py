@@ -12,7 +12,7 @@ import torch
 
 from .draft import DFlashDraft
 from .engine import Engine
-from .proposers import Proposer
+from .proposers import DFlashProposer, Proposer
 from .sequence import GenerationConfig, GenerationResult, prompt_tensor
 from .target import Target
 
@@ -31,7 +31,7 @@ def generate(
     `on_tokens` receives the tokens of every step as they are committed (for streaming)."""
     cfg = config or GenerationConfig()
     block = cfg.block_size if cfg.block_size is not None else (proposer.block_size if proposer else 1)
-    engine = Engine(target, max_batch_size=1, proposer=proposer if block > 1 else None, block_size=block)
+    engine = Engine(target, proposer if block > 1 else None, block, max_batch_size=1)
     row = engine.add("0", prompt_ids, cfg)
     while engine.pending():
         for out in engine.step():
@@ -59,7 +59,11 @@ def generate_batch(
         raise ValueError(
             f"got {len(configs)} configs for {len(prompts)} prompts: pass one, or one per prompt"
         )
-    engine = Engine(target, draft, block_size, max_batch_size or max(1, len(prompts)), proposal, proposer)
+    if draft is not None and proposer is not None:
+        raise ValueError("pass a draft or a proposer, not both")
+    if draft is not None:
+        proposer = DFlashProposer(draft, target, proposal)
+    engine = Engine(target, proposer, block_size, max_batch_size or max(1, len(prompts)))
     rows = [
         engine.add(str(i), prompt, cfg) for i, (prompt, cfg) in enumerate(zip(prompts, configs, strict=True))
     ]

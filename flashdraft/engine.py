@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .draft import DFlashDraft
-from .proposers import DFlashProposer, Proposer
+from .proposers import Proposer
 from .sampling import SamplingConfig, next_token, probs, verify_sampling
 from .sequence import GenerationConfig, Row, check_prompt, prompt_tensor
 from .slots import DEAD, gather_slots, live_order, map_target_cache, pad_kpos, pad_slots, worth_compacting
@@ -43,30 +42,22 @@ class Engine:
 
     `step()` first drops cancelled rows, then runs one draft + verify step for the rows already
     running (rows that finish leave the batch and its caches at once), then admits waiting rows up to
-    `max_batch_size` with one batched prefill, which emits their first token. A `draft` makes it
-    DFlash; without one (or with block_size 1) it is plain decoding through the same code.
-    `proposer` replaces the draft with any `Proposer` (n-gram lookup, test oracles); the engine
-    resets it, so a proposer serves one engine at a time.
+    `max_batch_size` with one batched prefill, which emits their first token. The engine knows drafts
+    only through the `Proposer` interface (`DFlashProposer(draft, target)`, n-gram lookup, adaptive
+    speculation, test oracles); without one (or with block_size 1) it is plain decoding through the
+    same code. The engine resets the proposer, so a proposer serves one engine at a time.
     Not thread-safe except for `add` and `cancel`, which may be called while `step` runs.
     """
 
     def __init__(
         self,
         target: Target,
-        draft: DFlashDraft | None = None,
+        proposer: Proposer | None = None,
         block_size: int | None = None,
         max_batch_size: int = 8,
-        proposal: str = "draft",
-        proposer: Proposer | None = None,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if proposal not in ("draft", "greedy"):
-            raise ValueError(f"proposal must be 'draft' or 'greedy', got {proposal!r}")
-        if draft is not None and proposer is not None:
-            raise ValueError("pass a draft or a proposer, not both")
-        if draft is not None:
-            proposer = DFlashProposer(draft, target, proposal)
         if proposer is not None:
             proposer.reset()
         self.block_size = block_size if block_size is not None else (proposer.block_size if proposer else 1)

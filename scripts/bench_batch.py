@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft import DFlashDraft, Engine, GenerationConfig, SamplingConfig, load_target
+from flashdraft import DFlashDraft, DFlashProposer, Engine, GenerationConfig, SamplingConfig, load_target
 from flashdraft.adaptive import make_proposer
 from flashdraft.chat import chat_ids
 from flashdraft.data import load_dataset
@@ -84,7 +84,7 @@ def run(target, draft, block_size, batch_size, prompts, config, adaptive=False) 
         proposer = make_proposer(draft, target, speculation="adaptive")
         dec = Engine(target, block_size=block_size, max_batch_size=batch_size, proposer=proposer)
     else:
-        dec = Engine(target, draft, block_size, max_batch_size=batch_size)
+        dec = Engine(target, DFlashProposer(draft, target), block_size, max_batch_size=batch_size)
     out: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, ids in enumerate(prompts):

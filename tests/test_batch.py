@@ -217,7 +217,7 @@ def test_generate_batch_results_and_ngram(tiny_llama):
 
 def test_join_midway_and_cancel(tiny_llama):
     draft = make_draft(tiny_llama.model, block_size=4)
-    dec = Engine(tiny_llama, draft, max_batch_size=3)
+    dec = Engine(tiny_llama, DFlashProposer(draft, tiny_llama), max_batch_size=3)
     prompts = {f"r{i}": [7 + i] * (2 + 3 * i) for i in range(6)}
     want = {k: generate(tiny_llama, p, None, GenerationConfig(30)).tokens for k, p in prompts.items()}
     got = {k: [] for k in prompts}
@@ -320,7 +320,7 @@ def test_bad_decoder_settings(tiny_llama):
     with pytest.raises(ValueError, match="block_size"):
         Engine(tiny_llama, block_size=0)
     with pytest.raises(ValueError, match="proposal"):
-        Engine(tiny_llama, make_draft(tiny_llama.model), proposal="best")
+        DFlashProposer(make_draft(tiny_llama.model), tiny_llama, proposal="best")
     with pytest.raises(ValueError, match="one per prompt"):
         generate_batch(tiny_llama, [[1], [2]], config=[GenerationConfig(2)])
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import engine_target, make_draft, make_hf_model
 
-from flashdraft import Engine, GenerationConfig, SamplingConfig, generate
+from flashdraft import DFlashProposer, Engine, GenerationConfig, SamplingConfig, generate
 
 SEEDED = GenerationConfig(40, sampling=SamplingConfig(1.0), seed=1234)
 PROMPT = [5, 17, 3, 99, 42]
@@ -28,7 +28,8 @@ def run(target, draft, batched: bool, global_seed: int) -> tuple[list[int], dict
     the global generator at `global_seed` and reseeded and drawn from between steps."""
     torch.manual_seed(global_seed)
     rng = random.Random(global_seed)
-    engine = Engine(target, draft, block_size=4 if draft is not None else 1, max_batch_size=4)
+    proposer = None if draft is None else DFlashProposer(draft, target)
+    engine = Engine(target, proposer, block_size=4 if draft is not None else 1, max_batch_size=4)
     if batched:  # unseeded sampled rows (the same in every run) draw from the global generator
         mates_rng = random.Random(0)
         for i in range(3):
@@ -58,7 +59,7 @@ def test_seeded_request_ignores_the_global_random_state(models, speculative, bat
     assert len(tokens[0]) == SEEDED.max_new_tokens
     assert all(t == tokens[0] for t in tokens), "a seeded request's tokens depend on the global random state"
     # the same tokens as the request alone through `generate`: its batch-mates change nothing
-    proposer = None if draft is None else Engine(target, draft).proposer
+    proposer = None if draft is None else DFlashProposer(draft, target)
     cfg = GenerationConfig(SEEDED.max_new_tokens, 4 if speculative else 1, SEEDED.sampling, seed=SEEDED.seed)
     assert generate(target, PROMPT, proposer, cfg).tokens == tokens[0]
     if batched:  # the global state really differed between the runs: the unseeded rows differ
