@@ -4,13 +4,13 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from .decode import GenerationConfig, GenerationResult, generate, generate_batch  # noqa: E402
-from .draft import DFlashDraft, DraftConfig, DraftError  # noqa: E402
-from .engine import Engine, StepOutput  # noqa: E402
-from .models import load_target  # noqa: E402
-from .proposers import DFlashProposer, NgramProposer, Proposer  # noqa: E402
-from .sampling import SamplingConfig  # noqa: E402
-from .target import Target, TargetError  # noqa: E402
+from flashdraft.engine.decode import GenerationConfig, GenerationResult, generate, generate_batch  # noqa: E402
+from flashdraft.engine.engine import Engine, StepOutput  # noqa: E402
+from flashdraft.engine.proposers import DFlashProposer, NgramProposer, Proposer  # noqa: E402
+from flashdraft.engine.sampling import SamplingConfig  # noqa: E402
+from flashdraft.models.draft import DFlashDraft, DraftConfig, DraftError  # noqa: E402
+from flashdraft.models.load import load_target  # noqa: E402
+from flashdraft.models.target import Target, TargetError  # noqa: E402
 
 __all__ = [
     "DFlashDraft",

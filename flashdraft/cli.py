@@ -11,15 +11,22 @@ from pathlib import Path
 
 import torch
 
-from . import chat
-from .adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
-from .data import check_dataset_name
-from .decode import GenerationConfig, generate
-from .draft import DFlashDraft, DraftConfig, DraftError, init_draft_config
-from .models import RUNNERS, load_target, local_dir, target_kind
-from .runner import QUANTIZE, supports
-from .sampling import SamplingConfig
-from .target import DTYPES, Target, TargetError, check_model_dir, resolve_device, resolve_dtype
+from flashdraft import chat
+from flashdraft.data import check_dataset_name
+from flashdraft.engine.adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
+from flashdraft.engine.decode import GenerationConfig, generate
+from flashdraft.engine.sampling import SamplingConfig
+from flashdraft.models.draft import DFlashDraft, DraftConfig, DraftError, init_draft_config
+from flashdraft.models.load import RUNNERS, load_target, local_dir, target_kind
+from flashdraft.models.runner import QUANTIZE, supports
+from flashdraft.models.target import (
+    DTYPES,
+    Target,
+    TargetError,
+    check_model_dir,
+    resolve_device,
+    resolve_dtype,
+)
 
 
 def _ids(text: str) -> list[int]:
@@ -178,7 +185,7 @@ def cmd_init_draft(args) -> int:
 def cmd_export(args) -> int:
     import tempfile
 
-    from .export import export_gguf, export_transformers, target_gguf
+    from flashdraft.models.export import export_gguf, export_transformers, target_gguf
 
     draft = DFlashDraft.from_pretrained(local_dir(args.draft))  # exported in the dtype it was saved in
     if args.to == "gguf":
@@ -204,7 +211,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from . import models
+    from flashdraft.models import load as models
 
     rows = models.describe()
     if args.json:
@@ -224,7 +231,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_datagen(args) -> int:
-    from .datagen import DatagenConfig, run_datagen
+    from flashdraft.train.datagen import DatagenConfig, run_datagen
 
     cfg = DatagenConfig(
         target=args.target,
@@ -250,7 +257,7 @@ def cmd_datagen(args) -> int:
 
 
 def cmd_pack_data(args) -> int:
-    from .datagen import pack
+    from flashdraft.train.datagen import pack
 
     info = pack(args.sources, args.out)  # a DataGenError is a ValueError: main prints it, exit code 2
     print(
@@ -261,9 +268,9 @@ def cmd_pack_data(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .train import train
-    from .train_config import TrainConfig
-    from .train_state import checkpoint_dirs
+    from flashdraft.train.config import TrainConfig
+    from flashdraft.train.loop import train
+    from flashdraft.train.state import checkpoint_dirs
 
     try:
         train(TrainConfig.from_args(args))
@@ -284,7 +291,7 @@ def cmd_train(args) -> int:
 
 def cmd_serve(args) -> int:
     try:
-        from .serve import cmd_serve
+        from flashdraft.serve import cmd_serve
     except ImportError as e:  # a slim install (the GPU box's) may lack the web stack; no other verb needs it
         raise ValueError(
             f"flashdraft serve needs the server's packages ({e.name or e} is missing): "
@@ -294,13 +301,13 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import main_from_args
+    from flashdraft.bench.bench import main_from_args
 
     return main_from_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from flashdraft import __version__
 
     p = argparse.ArgumentParser(prog="flashdraft", description=__doc__)
     p.add_argument("--version", action="version", version=f"flashdraft {__version__}")
@@ -464,7 +471,7 @@ def _add_datagen(sub) -> None:
 
 def _add_heavy_verbs(sub) -> None:
     """train and bench, whose options live beside their code, and serve, whose options live here."""
-    from .train import add_arguments as add_train_arguments
+    from flashdraft.train.loop import add_arguments as add_train_arguments
 
     t = sub.add_parser(
         "train", help="train a DFlash draft on regenerated data (resumable; torchrun for many ranks)"
@@ -472,7 +479,7 @@ def _add_heavy_verbs(sub) -> None:
     add_train_arguments(t)
     t.set_defaults(func=cmd_train)
 
-    from .bench import add_arguments as add_bench_arguments
+    from flashdraft.bench.bench import add_arguments as add_bench_arguments
 
     b = sub.add_parser(
         "bench", help="benchmark plain, n-gram, DFlash, the reference loop and transformers on data sets"

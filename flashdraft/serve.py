@@ -34,11 +34,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request  # FastAPI resolves route annotations in this module's globals
 
-from .adaptive import DEFAULT_SPECULATION, make_proposer
-from .chat import chat_ids, check_kwargs
-from .decode import GenerationConfig
-from .engine import Engine
-from .sampling import SamplingConfig
+from flashdraft.chat import chat_ids, check_kwargs
+from flashdraft.engine.adaptive import DEFAULT_SPECULATION, make_proposer
+from flashdraft.engine.decode import GenerationConfig
+from flashdraft.engine.engine import Engine
+from flashdraft.engine.sampling import SamplingConfig
 
 log = logging.getLogger("flashdraft.serve")
 
@@ -833,11 +833,11 @@ class ServeConfig:
     max_batch_size: int = 8
     block_size: int | None = None  # None: the draft's
     proposal: str = "draft"
-    speculation: str = DEFAULT_SPECULATION  # fixed blocks, or the adaptive rule (flashdraft.adaptive)
+    speculation: str = DEFAULT_SPECULATION  # fixed blocks, or the adaptive rule (flashdraft.engine.adaptive)
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     runner: str = "auto"  # the target's model code: native where it covers the architecture
-    quantize: str = "auto"  # the native runner's weights (flashdraft.models.default_quantization)
+    quantize: str = "auto"  # the native runner's weights (flashdraft.models.load.default_quantization)
     model_name: str | None = None  # None: --target as given
     max_body_bytes: int = 4 << 20
     log_level: str = "info"
@@ -865,9 +865,9 @@ def serve(cfg: ServeConfig) -> None:
     """Bind the port, load the models, start the scheduler thread and serve until interrupted."""
     import uvicorn
 
-    from .draft import DFlashDraft
-    from .models import load_target, local_dir
-    from .target import resolve_device, resolve_dtype
+    from flashdraft.models.draft import DFlashDraft
+    from flashdraft.models.load import load_target, local_dir
+    from flashdraft.models.target import resolve_device, resolve_dtype
 
     if cfg.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be >= 1, got {cfg.max_batch_size}")

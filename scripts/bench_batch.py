@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from flashdraft import DFlashDraft, DFlashProposer, Engine, GenerationConfig, SamplingConfig, load_target
-from flashdraft.adaptive import make_proposer
 from flashdraft.chat import chat_ids
 from flashdraft.data import load_dataset
+from flashdraft.engine.adaptive import make_proposer
 
 
 def ints(text: str) -> list[int]:

@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, SamplingConfig, Target, generate
-from flashdraft.draft import init_draft_config
+from flashdraft.models.draft import init_draft_config
 
 
 def main():

@@ -5,7 +5,7 @@ Uses the shipped draft under checkpoints/ when there is one; otherwise it makes 
 Each prompt is answered twice, plain then DFlash, both streamed; the speedup is the ratio of decode
 times per token (prefill excluded, as in the paper), summed over all prompts. Timings taken while other
 jobs share the cores mean nothing: the demo then says so, with the bench's own checks
-(`flashdraft.bench.timing_problems` and `load_problems`).
+(`flashdraft.bench.bench.timing_problems` and `load_problems`).
 """
 
 import argparse
@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from flashdraft import DFlashDraft, GenerationConfig, generate, load_target
-from flashdraft.adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
-from flashdraft.bench import MachineLoad, load_problems, timing_problems
+from flashdraft.bench.bench import MachineLoad, load_problems, timing_problems
 from flashdraft.chat import chat_ids
 from flashdraft.cli import _TextStream
-from flashdraft.draft import init_draft_config
+from flashdraft.engine.adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
+from flashdraft.models.draft import init_draft_config
 
 TARGET = "smollm2-135m-instruct"
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dflash"

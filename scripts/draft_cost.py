@@ -18,10 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from flashdraft.bench import calibrate  # noqa: E402
+from flashdraft.bench.bench import calibrate  # noqa: E402
 from flashdraft.chat import chat_ids  # noqa: E402
-from flashdraft.draft import DFlashDraft  # noqa: E402
-from flashdraft.models import load_target  # noqa: E402
+from flashdraft.models.draft import DFlashDraft  # noqa: E402
+from flashdraft.models.load import load_target  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import flashdraft as after  # noqa: E402
-from flashdraft.draft import init_draft_config  # noqa: E402
+from flashdraft.models.draft import init_draft_config  # noqa: E402
 
 
 def import_tree(root: Path, name: str):
@@ -87,7 +87,7 @@ def random_pair(args, dtype, before):
 def real_pair(args, dtype, before):
     """The named target and the draft directory, loaded by each tree, and a chat prompt."""
     from flashdraft.chat import chat_ids
-    from flashdraft.models import load_target
+    from flashdraft.models.load import load_target
 
     target = load_target(args.target, dtype, "cpu")
     trees = {}

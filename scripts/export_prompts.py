@@ -42,9 +42,9 @@ def main() -> None:
 def export_corpus(n: int, skip: int, out: Path) -> None:
     from transformers import AutoTokenizer
 
-    from flashdraft.datagen import make_record, pack
-    from flashdraft.models import ensure_converted
-    from flashdraft.train_data import corpus_records
+    from flashdraft.models.load import ensure_converted
+    from flashdraft.train.data import corpus_records
+    from flashdraft.train.datagen import make_record, pack
 
     tok = AutoTokenizer.from_pretrained(ensure_converted("smollm2-135m-instruct"), local_files_only=True)
     records = corpus_records("sharegpt", tok, limit=n, skip=skip)

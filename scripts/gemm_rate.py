@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from flashdraft.target import cpu_has_fast_bf16
+from flashdraft.models.target import cpu_has_fast_bf16
 
 SHAPES = [(768, 576, 1536), (768, 1536, 576), (720, 576, 8192), (720, 8192, 576), (768, 576, 576)]
 

@@ -57,10 +57,10 @@ def main() -> None:
     import torch
 
     from flashdraft import DFlashDraft, load_target
-    from flashdraft.bench import machine
+    from flashdraft.bench.bench import machine
     from flashdraft.chat import chat_ids
     from flashdraft.data import load_dataset
-    from flashdraft.models import cache_dir, package_file
+    from flashdraft.models.load import cache_dir, package_file
 
     torch.set_num_threads(2)
     cache, n, k = args.cache, args.max_new_tokens, args.block_size - 1

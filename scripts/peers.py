@@ -242,7 +242,7 @@ class Flashdraft:
 
     def run(self, prompts, n: int, batch: int) -> dict:
         from flashdraft import Engine, GenerationConfig, generate
-        from flashdraft.adaptive import make_proposer
+        from flashdraft.engine.adaptive import make_proposer
 
         proposer = make_proposer(self.draft, self.target) if self.draft is not None else None
         cfg = GenerationConfig(n, stop_ids=[])
@@ -291,7 +291,7 @@ def run(args) -> None:
     from flashdraft import DFlashDraft, load_target
     from flashdraft.chat import chat_ids
     from flashdraft.data import load_dataset
-    from flashdraft.models import cache_dir, package_file
+    from flashdraft.models.load import cache_dir, package_file
 
     torch.set_num_threads(2)
     cache = args.cache
@@ -342,7 +342,7 @@ def run(args) -> None:
 
 
 def table(results, engines, args, native) -> None:
-    from flashdraft.bench import machine
+    from flashdraft.bench.bench import machine
 
     base = {b: results["flashdraft plain", b][0]["outputs"] for b in args.batch_sizes}
     own_plain = {  # engines on other weights: DFlash compared with the same engine's plain decoding

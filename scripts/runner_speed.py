@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from flashdraft.models import load_target
-from flashdraft.runner import RunnerTarget
+from flashdraft.models.load import load_target
+from flashdraft.models.runner import RunnerTarget
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import statistics
 from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, SamplingConfig, generate
 from flashdraft.chat import chat_ids
 from flashdraft.data import load_dataset
-from flashdraft.models import load_target
+from flashdraft.models.load import load_target
 
 
 def main():

@@ -13,7 +13,7 @@ mkdir -p runs
 echo "machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, torch threads ${OMP_NUM_THREADS:-default}"
 .venv/bin/python -c "
 import json
-from flashdraft.datagen import read_packed
+from flashdraft.train.datagen import read_packed
 recs = list(read_packed('data/smollm2-135m-instruct/gsm-symbolic-s0-s1.npz'))[:8]
 open('runs/train-speed-data.jsonl', 'w').write(''.join(json.dumps(r) + '\\n' for r in recs))
 "

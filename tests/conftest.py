@@ -6,8 +6,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flashdraft.draft import DFlashDraft, init_draft_config  # noqa: E402
-from flashdraft.target import Target  # noqa: E402
+from flashdraft.models.draft import DFlashDraft, init_draft_config  # noqa: E402
+from flashdraft.models.target import Target  # noqa: E402
 
 # One thread: the tiny test models are dominated by per-op overhead, and two threads on a busy
 # 2-core machine were measured far slower.
@@ -119,7 +119,7 @@ def engine_target(model, tokenizer=None):
     """The target `load_target` runs for this model by default: the native runner where it covers the
     family (dense weights in the model's float64), else the transformers target. The exactness and
     sampling tests run through it; `Target(model)` stays the reference."""
-    from flashdraft.runner import RunnerTarget, supports
+    from flashdraft.models.runner import RunnerTarget, supports
 
     target = Target(model, tokenizer)
     return RunnerTarget.from_target(target) if supports(model.config) is None else target
@@ -137,7 +137,7 @@ def tiny_llama():
 
 def smollm2_tokenizer_dir():
     """The converted SmolLM2 directory (its tokenizer and chat template); skips where the package is missing."""
-    from flashdraft.models import ensure_converted
+    from flashdraft.models.load import ensure_converted
 
     try:
         return ensure_converted("smollm2-135m-instruct")

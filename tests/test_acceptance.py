@@ -1,4 +1,4 @@
-"""The offline acceptance estimate (`flashdraft.acceptance`) against the real decode loop: on the target's
+"""The offline acceptance estimate (`flashdraft.bench.acceptance`) against the real decode loop: on the target's
 own greedy output, the anchors it walks and the tokens it commits at each must be the loop's, step for step."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from conftest import make_draft, make_hf_model
 
 from flashdraft import DFlashProposer, Target
-from flashdraft.acceptance import acceptance_lengths, greedy_references, offline_tau, walk
-from flashdraft.decode import GenerationConfig, generate
+from flashdraft.bench.acceptance import acceptance_lengths, greedy_references, offline_tau, walk
+from flashdraft.engine.decode import GenerationConfig, generate
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Adaptive speculation (`flashdraft.adaptive`): lossless whatever it decides (greedy equality in float64,
+"""Adaptive speculation (`flashdraft.engine.adaptive`): lossless whatever it decides (greedy equality in float64,
 sampling against exact enumeration), and its decisions follow the measured costs and acceptance: a
 useless draft is mostly skipped, a perfect proposer keeps drafting long blocks."""
 
@@ -23,7 +23,7 @@ from flashdraft import (
     generate,
     generate_batch,
 )
-from flashdraft.adaptive import EXPLORE, AdaptiveProposer, Calibration, LinearCost, RowState
+from flashdraft.engine.adaptive import EXPLORE, AdaptiveProposer, Calibration, LinearCost, RowState
 
 # What the engine's clock would say of each step, in a CPU-like ratio: a plain step (one token per row)
 # PLAIN_S per row, a speculative verify of n tokens VERIFY_S + PER_TOKEN_S * n (more than a plain step

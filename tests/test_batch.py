@@ -1,4 +1,4 @@
-"""Batched decoding (flashdraft.engine): every row must come out exactly as batch-1 decoding would give it.
+"""Batched decoding (flashdraft.engine.engine): every row must come out exactly as batch-1 decoding would give it.
 
 Greedy, in float64: each row's tokens equal plain `decode.generate` for that row alone, with rows of
 mixed prompt lengths, lengths and stop tokens, joining and leaving the batch at different steps;
@@ -18,7 +18,7 @@ from conftest import ARCHS, DRAFT_OPTIONS, engine_target, make_draft, make_hf_mo
 from scipy.stats import chisquare
 from test_sampling import _resample_from_p  # the same broken rule the batch-1 power test uses
 
-import flashdraft.engine as engine
+import flashdraft.engine.engine as engine
 from flashdraft import (
     DFlashProposer,
     Engine,
@@ -29,8 +29,8 @@ from flashdraft import (
     generate,
     generate_batch,
 )
-from flashdraft.sampling import probs
-from flashdraft.slots import DEAD
+from flashdraft.engine.sampling import probs
+from flashdraft.engine.slots import DEAD
 
 
 class BatchOracle(Proposer):

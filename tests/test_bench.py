@@ -16,8 +16,9 @@ import pytest
 import torch
 from conftest import make_draft, make_hf_model
 
-from flashdraft import SamplingConfig, Target, bench
-from flashdraft.bench import (
+from flashdraft import SamplingConfig, Target
+from flashdraft.bench import bench
+from flashdraft.bench.bench import (
     BenchConfig,
     BenchError,
     BenchPrompt,
@@ -30,7 +31,7 @@ from flashdraft.bench import (
     top2_margin,
 )
 from flashdraft.cli import main
-from flashdraft.export import hf_dflash_assistant
+from flashdraft.models.export import hf_dflash_assistant
 
 BLOCKS = (4, 8)
 

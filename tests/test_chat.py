@@ -9,10 +9,11 @@ import argparse
 import pytest
 from conftest import make_chat_target
 
-from flashdraft import bench, chat
-from flashdraft import train_data as TD
+from flashdraft import chat
+from flashdraft.bench import bench
 from flashdraft.cli import build_parser
-from flashdraft.datagen import DatagenConfig, DataGenError, read_meta, read_records, run_datagen
+from flashdraft.train import data as TD
+from flashdraft.train.datagen import DatagenConfig, DataGenError, read_meta, read_records, run_datagen
 
 THINKING = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

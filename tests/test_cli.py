@@ -293,7 +293,7 @@ def test_generate_reports_what_runs_and_warns_where_it_is_not_exact(dirs):
 
 
 def test_device_auto_and_a_missing_gpu():
-    from flashdraft.target import TargetError, resolve_device
+    from flashdraft.models.target import TargetError, resolve_device
 
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu").type == "cpu"

@@ -13,11 +13,11 @@ import torch
 from conftest import make_draft, make_hf_model
 
 from flashdraft import DFlashDraft, Target
-from flashdraft import draft as draft_module
 from flashdraft import files as files_module
-from flashdraft import models as models_module
 from flashdraft.cli import main
-from flashdraft.export import ExportError, export_transformers
+from flashdraft.models import draft as draft_module
+from flashdraft.models import load as models_module
+from flashdraft.models.export import ExportError, export_transformers
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +225,8 @@ def test_init_draft_refuses_an_existing_draft_without_force(dirs, tmp_path, caps
 @pytest.mark.parametrize("verb", ["generate", "datagen"])
 def test_ctrl_c_ends_with_one_line_and_exit_code_130(dirs, tmp_path, monkeypatch, capsys, verb):
     """No traceback; datagen (resumable) says the same command continues it. (train: test_train_stop.py)"""
-    from flashdraft import cli, datagen
+    from flashdraft import cli
+    from flashdraft.train import datagen
 
     def interrupted(*args, **kw):
         raise KeyboardInterrupt

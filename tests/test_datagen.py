@@ -19,7 +19,7 @@ from conftest import make_chat_target
 
 from flashdraft.cli import main
 from flashdraft.data import DataError, load_dataset
-from flashdraft.datagen import (
+from flashdraft.train.datagen import (
     DatagenConfig,
     DataGenError,
     cut_response,
@@ -138,7 +138,7 @@ def test_max_prompt_tokens_skips_long_prompts_and_counts_them(tiny, tmp_path):
 def test_progress_bar_counts_tokens_before_any_conversation_is_done(tiny, tmp_path, monkeypatch, capsys):
     """A batch of long answers finishes no row for minutes: the bar must show the tokens generated so far
     (and their rate) while it still reads 0/N, not sit still until a whole conversation is done."""
-    from flashdraft import datagen
+    from flashdraft.train import datagen
 
     monkeypatch.setattr(datagen, "PROGRESS_EVERY_S", 0.0)  # redraw at every step
     run_datagen(_cfg(tiny[0], tmp_path / "p.jsonl", progress=True, limit=2, batch_size=2, max_new_tokens=8))
@@ -427,9 +427,9 @@ def _write_records(path, recs):
 
 
 def test_pack_round_trips_and_train_reads_it(tmp_path):
-    from flashdraft.datagen import make_record, pack, read_packed
-    from flashdraft.train_config import TrainError
-    from flashdraft.train_data import read_records as train_records
+    from flashdraft.train.config import TrainError
+    from flashdraft.train.data import read_records as train_records
+    from flashdraft.train.datagen import make_record, pack, read_packed
 
     g = torch.Generator().manual_seed(0)
     recs = [

@@ -14,7 +14,7 @@ from flashdraft import (
     SamplingConfig,
     generate,
 )
-from flashdraft.sequence import Row
+from flashdraft.engine.sequence import Row
 
 N_PROMPTS = 50
 NEW = 16

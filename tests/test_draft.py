@@ -16,8 +16,8 @@ from flashdraft import (
     Target,
     generate,
 )
-from flashdraft.draft import default_target_layer_ids
-from flashdraft.sequence import Row
+from flashdraft.engine.sequence import Row
+from flashdraft.models.draft import default_target_layer_ids
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import torch
 from conftest import DRAFT_OPTIONS, make_draft, make_hf_model
 
 from flashdraft import DFlashDraft, Target
-from flashdraft import train_loss as TL
+from flashdraft.train import loss as TL
 
 VOCAB, MASK, B = 128, 3, 4
 

@@ -22,8 +22,8 @@ from flashdraft import (
     generate,
     generate_batch,
 )
-from flashdraft.draft import OLD_VOCAB_NAME, DraftError
-from flashdraft.sampling import probs
+from flashdraft.engine.sampling import probs
+from flashdraft.models.draft import OLD_VOCAB_NAME, DraftError
 
 
 class Spy(DFlashProposer):

@@ -10,7 +10,7 @@ import torch
 from conftest import make_draft, make_hf_model
 
 from flashdraft import Target
-from flashdraft.export import ExportError, export_gguf
+from flashdraft.models.export import ExportError, export_gguf
 
 gguf = pytest.importorskip("gguf")
 V = 128

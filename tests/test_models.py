@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft import cli, models
-from flashdraft.decode import GenerationConfig, generate
-from flashdraft.models import GgufSource, ModelError, load_target
-from flashdraft.target import Target, TargetError, resolve_dtype
+from flashdraft import cli
+from flashdraft.engine.decode import GenerationConfig, generate
+from flashdraft.models import load as models
+from flashdraft.models.load import GgufSource, ModelError, load_target
+from flashdraft.models.target import Target, TargetError, resolve_dtype
 
 SMOL = "smollm2-135m-instruct"
 
@@ -304,7 +305,7 @@ def test_damaged_gemma_parts_are_refused(monkeypatch, tmp_path):
 
 
 def test_auto_dtype_is_bf16_only_where_the_hardware_has_it(monkeypatch):
-    import flashdraft.target as target_mod
+    import flashdraft.models.target as target_mod
 
     monkeypatch.setattr(target_mod, "cpu_has_fast_bf16", lambda: True)
     assert resolve_dtype("auto") == torch.bfloat16

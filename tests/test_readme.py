@@ -307,8 +307,9 @@ def tiny_builtin(tmp_path, monkeypatch):
 
     import torch
 
-    from flashdraft import DFlashDraft, models
-    from flashdraft.draft import init_draft_config
+    from flashdraft import DFlashDraft
+    from flashdraft.models import load as models
+    from flashdraft.models.draft import init_draft_config
 
     spec = models.get_spec("smollm2-135m-instruct")
     cache = tmp_path / "cache"

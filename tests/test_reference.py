@@ -14,7 +14,7 @@ import torch
 from conftest import make_draft, make_hf_model
 
 from flashdraft import DFlashProposer, GenerationConfig, Target, generate
-from flashdraft.sequence import Row
+from flashdraft.engine.sequence import Row
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -1,4 +1,4 @@
-"""The native runner (flashdraft.runner) against transformers, and its batch-invariant quantized numerics.
+"""The native runner (flashdraft.models.runner) against transformers, and its batch-invariant quantized numerics.
 
 float64: logits and features equal the transformers `Target`'s (the reference) on a prompt, on
 incremental steps and on a padded batch with per-slot positions and the engine's masks; DFlash decoding
@@ -15,9 +15,9 @@ from conftest import make_draft, make_hf_model
 from test_batch import BatchOracle, run_decoder
 
 from flashdraft import DFlashProposer, Engine, GenerationConfig, Target, generate
-from flashdraft.runner import RunnerTarget
-from flashdraft.runner.quant import make_linear
-from flashdraft.slots import DEAD
+from flashdraft.engine.slots import DEAD
+from flashdraft.models.runner import RunnerTarget
+from flashdraft.models.runner.quant import make_linear
 
 ARCHS = ("llama", "qwen3", "qwen2")
 QUANT = ("int8", "int4")
@@ -314,7 +314,7 @@ def test_the_cache_keeps_its_slots_when_it_grows():
     """A prompt that nearly fills the cache's first capacity (cache.CHUNK slots), then a block and steps
     past it: the buffers are reallocated and what they held is copied over, so the logits still equal
     transformers' in float64."""
-    from flashdraft.runner.cache import CHUNK
+    from flashdraft.models.runner.cache import CHUNK
 
     ref, run = pair("llama")
     caches = (ref.new_cache(sliding=False), run.new_cache())

@@ -8,9 +8,9 @@ import transformers as tf
 from conftest import make_hf_model
 
 from flashdraft import Target, load_target
-from flashdraft.runner import Quantization, RunnerTarget
-from flashdraft.runner.quant import Int8Linear
-from flashdraft.target import TargetError
+from flashdraft.models.runner import Quantization, RunnerTarget
+from flashdraft.models.runner.quant import Int8Linear
+from flashdraft.models.target import TargetError
 
 
 @pytest.fixture(scope="module")

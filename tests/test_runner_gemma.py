@@ -1,4 +1,4 @@
-"""The native runner's Gemma 3 (flashdraft/runner/gemma.py): the checks of tests/test_runner.py on Gemma
+"""The native runner's Gemma 3 (flashdraft/models/runner/gemma.py): the checks of tests/test_runner.py on Gemma
 models whose sequences outrun the sliding window, so that windows, the two RoPE tables and the masks
 of both layer kinds all matter.
 
@@ -23,7 +23,7 @@ from test_runner import (
 )
 
 from flashdraft import Target
-from flashdraft.runner import RunnerTarget
+from flashdraft.models.runner import RunnerTarget
 
 # The float64 models' layers, with a window of 4 positions (`gemma`).
 KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]

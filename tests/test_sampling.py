@@ -13,10 +13,10 @@ import torch
 from conftest import engine_target, make_draft, make_hf_model
 from scipy.stats import chisquare
 
-import flashdraft.engine as engine
-import flashdraft.sampling as sampling
+import flashdraft.engine.engine as engine
+import flashdraft.engine.sampling as sampling
 from flashdraft import DFlashProposer, GenerationConfig, Proposer, SamplingConfig, generate
-from flashdraft.sampling import probs
+from flashdraft.engine.sampling import probs
 
 V = 6
 PROMPT = [1, 4, 2]
@@ -25,7 +25,7 @@ N_SAMPLES = 20_000
 
 class MarkovTarget:
     """A cheap tiny-vocabulary target for the decode loop: next-token logits depend on the last two
-    tokens through a table. Speaks the same interface as `flashdraft.target.Target`."""
+    tokens through a table. Speaks the same interface as `flashdraft.models.target.Target`."""
 
     vocab_size, max_length = V, 64
     device, dtype = torch.device("cpu"), torch.float64

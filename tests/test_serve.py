@@ -3,7 +3,7 @@ client (and raw HTTP for what that client cannot send).
 
 The target is a tiny random float64 Llama saved with a byte-level BPE tokenizer (so multi-byte characters
 arrive in pieces) and a ChatML chat template; the draft is random, with a sliding-window layer. Greedy
-answers must equal `flashdraft.decode.generate` on the same prompt ids, whatever else the batch holds.
+answers must equal `flashdraft.engine.decode.generate` on the same prompt ids, whatever else the batch holds.
 """
 
 import http.client
@@ -23,7 +23,7 @@ import torch
 from conftest import make_draft, make_hf_model
 
 from flashdraft import DFlashProposer, GenerationConfig, Target, generate
-from flashdraft.draft import DFlashDraft
+from flashdraft.models.draft import DFlashDraft
 from flashdraft.serve import TextStream
 
 KEY = "test-key-123"

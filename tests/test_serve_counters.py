@@ -18,7 +18,7 @@ from conftest import make_hf_model
 from test_serve import KEY, _http, make_tokenizer
 
 from flashdraft import GenerationConfig, Proposer, Target, generate
-from flashdraft.engine import Engine
+from flashdraft.engine.engine import Engine
 from flashdraft.serve import App, Scheduler
 
 PROMPT = [5, 17, 42, 7, 99, 3, 64]

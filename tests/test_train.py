@@ -17,12 +17,12 @@ from conftest import DRAFT_OPTIONS, make_draft, make_hf_model
 from safetensors.torch import load_file
 
 from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, Target
-from flashdraft import train as T
-from flashdraft import train_config as TC
-from flashdraft import train_data as TD
-from flashdraft import train_loss as TL
-from flashdraft import train_state as TS
-from flashdraft.sequence import Row
+from flashdraft.engine.sequence import Row
+from flashdraft.train import config as TC
+from flashdraft.train import data as TD
+from flashdraft.train import loop as T
+from flashdraft.train import loss as TL
+from flashdraft.train import state as TS
 
 VOCAB, MASK, B = 128, 3, 4  # tiny models: block size 4, mask id 3 (never in the data)
 
@@ -472,8 +472,8 @@ def test_resume_refuses_another_run(files, tmp_path):
 
 KILLER = """
 import os, signal, sys
-import flashdraft.train as T
-import flashdraft.train_state as TS
+import flashdraft.train.loop as T
+import flashdraft.train.state as TS
 kind, at = os.environ["KILL_AT"].split(":")
 at = int(at)
 now = {"step": -1}
@@ -610,7 +610,7 @@ def test_cli_help_lists_the_issue_options():
 
 
 def test_autocast_auto_is_on_where_bf16_is_native(files, tmp_path, monkeypatch, capsys):
-    import flashdraft.target as target_module
+    import flashdraft.models.target as target_module
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(target_module, "cpu_has_fast_bf16", lambda: False)

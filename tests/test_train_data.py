@@ -13,11 +13,11 @@ import torch
 from conftest import make_chat_target, make_hf_model
 from safetensors.torch import load_file
 
-from flashdraft import train as T
-from flashdraft import train_config as TC
-from flashdraft import train_data as TD
 from flashdraft.chat import chat_ids
 from flashdraft.data import load_corpus, sharegpt_split
+from flashdraft.train import config as TC
+from flashdraft.train import data as TD
+from flashdraft.train import loop as T
 
 EOS = 2
 
@@ -202,7 +202,7 @@ def test_eval_refs_evaluate_by_the_offline_walk_and_are_kept_out_of_training(tmp
     from test_train import VOCAB, write_data
 
     from flashdraft import Target
-    from flashdraft.acceptance import greedy_references, write_references
+    from flashdraft.bench.acceptance import greedy_references, write_references
 
     model = make_hf_model("llama", vocab=VOCAB, max_pos=512)
     model.save_pretrained(tmp_path / "target")

@@ -8,9 +8,9 @@ import shlex
 import pytest
 from test_train import cli_args, config, files  # noqa: F401 (files: the tiny target and data)
 
-from flashdraft import train as T
-from flashdraft import train_state as TS
 from flashdraft.cli import main
+from flashdraft.train import loop as T
+from flashdraft.train import state as TS
 
 
 def test_ctrl_c_in_train_prints_one_line_with_the_checkpoint_and_the_resume_command(

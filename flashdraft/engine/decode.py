@@ -1,4 +1,4 @@
-"""`generate` and `generate_batch`: the engine (`flashdraft.engine`) run to completion, for one prompt or many.
+"""`generate` and `generate_batch`: the engine (`flashdraft.engine.engine`) run to completion, for one prompt or many.
 
 Both are thin wrappers: every step, batch 1 or batch N, plain or speculative, greedy or sampled, goes
 through `Engine.step`, so a feature added there serves the Python API, the CLI, `serve` and `bench` at once.
@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .draft import DFlashDraft
-from .engine import Engine
-from .proposers import DFlashProposer, Proposer
-from .sequence import GenerationConfig, GenerationResult, prompt_tensor
-from .target import Target
+from flashdraft.engine.engine import Engine
+from flashdraft.engine.proposers import DFlashProposer, Proposer
+from flashdraft.engine.sequence import GenerationConfig, GenerationResult, prompt_tensor
+from flashdraft.models.draft import DFlashDraft
+from flashdraft.models.target import Target
 
 __all__ = ["GenerationConfig", "GenerationResult", "generate", "generate_batch", "prompt_tensor"]
 

@@ -3,11 +3,11 @@
 One `step()` drives everything. It drafts up to B-1 tokens after every running row's anchor (its last
 committed token), verifies all rows' [anchor, drafts] blocks in one causal target forward, commits
 each row's accepted prefix plus the target's own next token, and crops the caches back to what was
-committed. Rows (requests, `flashdraft.sequence.Row`) join between steps with a prefill and leave when
+committed. Rows (requests, `flashdraft.engine.sequence.Row`) join between steps with a prefill and leave when
 they stop, reach their length or are cancelled. With no proposer, or B = 1, every step verifies the
 anchor alone: plain decoding, through the same code. `decode.generate` is this engine at batch 1.
 
-Rows of different lengths share one cache through per-slot positions (`flashdraft.slots`): then every
+Rows of different lengths share one cache through per-slot positions (`flashdraft.engine.slots`): then every
 forward needs an explicit attention mask. While the rows are aligned (every row's slot i holds its
 position i, always so at batch 1) the engine keeps no slot positions, passes no mask and pays nothing
 for batching; the positions are materialised the first time the rows stop being aligned.
@@ -22,11 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .proposers import Proposer
-from .sampling import SamplingConfig, next_token, probs, verify_sampling
-from .sequence import GenerationConfig, Row, check_prompt, prompt_tensor
-from .slots import DEAD, gather_slots, live_order, map_target_cache, pad_kpos, pad_slots, worth_compacting
-from .target import Target
+from flashdraft.engine.proposers import Proposer
+from flashdraft.engine.sampling import SamplingConfig, next_token, probs, verify_sampling
+from flashdraft.engine.sequence import GenerationConfig, Row, check_prompt, prompt_tensor
+from flashdraft.engine.slots import (
+    DEAD,
+    gather_slots,
+    live_order,
+    map_target_cache,
+    pad_kpos,
+    pad_slots,
+    worth_compacting,
+)
+from flashdraft.models.target import Target
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from .target import Target
+from flashdraft.models.target import Target
 
 
 def block_weights(block_size: int, gamma: float) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Our own Gemma 3 (text: `Gemma3ForCausalLM`, model_type "gemma3_text", or the text part of an
-image-text `Gemma3ForConditionalGeneration`) behind the interface of `flashdraft.target.Target`, next
+image-text `Gemma3ForConditionalGeneration`) behind the interface of `flashdraft.models.target.Target`, next
 to `llama.py`, whose attention core, RoPE and linears it shares.
 
 What differs from a Llama, each op as transformers' Gemma3 code computes it (so that in float64 the
@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..target import TargetError
-from . import llama
-from .cache import KVCache
-from .quant import Quantization, make_linear
+from flashdraft.models.runner import llama
+from flashdraft.models.runner.cache import KVCache
+from flashdraft.models.runner.quant import Quantization, make_linear
+from flashdraft.models.target import TargetError
 
 FAMILIES = ("gemma3_text",)
 KINDS = ("sliding_attention", "full_attention")

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .draft import DFlashDraft
-from .files import atomic_write, atomic_write_dir
-from .target import Target
+from flashdraft.files import atomic_write, atomic_write_dir
+from flashdraft.models.draft import DFlashDraft
+from flashdraft.models.target import Target
 
 
 class ExportError(ValueError):
@@ -128,7 +128,7 @@ def gguf_name(name: str) -> str:
 
 def target_gguf(target_spec: str, scratch: Path) -> Path:
     """The GGUF file of a --target (built-in name or .gguf path): the draft file copies its tokenizer."""
-    from .models import get_spec, known_names, local_dir
+    from flashdraft.models.load import get_spec, known_names, local_dir
 
     if str(target_spec) in known_names():
         spec = get_spec(str(target_spec))

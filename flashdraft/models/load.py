@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from .files import usual_mode
-from .runner.quant import Quantization
-from .target import Target, TargetError, resolve_dtype
+from flashdraft.files import usual_mode
+from flashdraft.models.runner.quant import Quantization
+from flashdraft.models.target import Target, TargetError, resolve_dtype
 
 log = logging.getLogger("flashdraft")
 
@@ -475,14 +475,14 @@ def load_target(
     quantize: str = "auto",
 ):
     """A target from a built-in name (`flashdraft models`), a local `.gguf` file or a local HF checkpoint
-    directory. Built-in names and GGUF files are converted once and cached (see `flashdraft.models`).
+    directory. Built-in names and GGUF files are converted once and cached (see `flashdraft.models.load`).
 
     `runner`: "transformers" gives the transformers `Target` (training, export and the reference in
-    tests need that one); "native" our own model code (`flashdraft.runner`), "auto" the native runner
+    tests need that one); "native" our own model code (`flashdraft.models.runner`), "auto" the native runner
     where it covers the architecture. `quantize` ("auto", "none", "int8", "int4") sets the native
     runner's weights (`default_quantization`). The default, on a CPU with native bf16, is exact:
     quantized weights and bf16 activations make a verify row equal a one-token step bitwise."""
-    from .runner import RunnerTarget, supports
+    from flashdraft.models.runner import RunnerTarget, supports
 
     if runner not in RUNNERS:
         raise TargetError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
@@ -520,7 +520,7 @@ def default_quantization(dtype: torch.dtype, quantize: str = "auto") -> Quantiza
     dense otherwise. Not int4 by default, although the built-in SmolLM2 ships Q4_1 layers: torch's int4
     kernel takes its scales in the activation dtype, and bf16 scales move SmolLM2's weights enough to
     flip its near-ties (its answer to "What is the capital of France?" changes; int8 keeps it)."""
-    from .runner import QUANTIZE
+    from flashdraft.models.runner import QUANTIZE
 
     if quantize == "auto":
         return Quantization.of("int8" if dtype == torch.bfloat16 else "none")

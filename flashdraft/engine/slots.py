@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .draft import KVCache
+from flashdraft.models.draft import KVCache
 
 DEAD = 2**62  # the position of a slot that holds nothing for its row: no query ever sees it
 

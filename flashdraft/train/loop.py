@@ -37,15 +37,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import chat
-from .acceptance import offline_tau, read_references
-from .decode import GenerationConfig, generate
-from .draft import DFlashDraft, DraftError, init_draft_config
-from .files import atomic_write, write_json, write_text
-from .models import load_target, local_dir
-from .proposers import DFlashProposer
-from .target import Target, TargetError, resolve_dtype
-from .train_config import (
+from flashdraft import chat
+from flashdraft.bench.acceptance import offline_tau, read_references
+from flashdraft.engine.decode import GenerationConfig, generate
+from flashdraft.engine.proposers import DFlashProposer
+from flashdraft.files import atomic_write, write_json, write_text
+from flashdraft.models.draft import DFlashDraft, DraftError, init_draft_config
+from flashdraft.models.load import load_target, local_dir
+from flashdraft.models.target import Target, TargetError, resolve_dtype
+from flashdraft.train.config import (
     DTYPES,
     NEW_DRAFT_BLOCK_SIZE,
     RUN_FIELDS,
@@ -56,7 +56,7 @@ from .train_config import (
     resolve_gamma,
     use_autocast,
 )
-from .train_data import (
+from flashdraft.train.data import (
     _generator,
     epoch_batches,
     epoch_mix,
@@ -65,8 +65,8 @@ from .train_data import (
     prepare_data,
     sample_anchors,
 )
-from .train_loss import Batch, FrozenHead, batch_loss, block_targets, build_batch, target_features
-from .train_state import (
+from flashdraft.train.loss import Batch, FrozenHead, batch_loss, block_targets, build_batch, target_features
+from flashdraft.train.state import (
     Dist,
     all_sum,
     barrier,

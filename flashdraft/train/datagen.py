@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .chat import chat_ids
-from .files import atomic_write, write_json
+from flashdraft.chat import chat_ids
+from flashdraft.files import atomic_write, write_json
 
 log = logging.getLogger("flashdraft")
 
@@ -338,7 +338,7 @@ def _check_meta(out: Path, old: dict, new: dict) -> None:
 def load_prompts(datasets: Sequence[str], limit: int | None, seed: int) -> tuple[list[_Prompt], int]:
     """The first user turn of every example of the data sets, in order, and how many duplicate ids
     (the same prompt in two of the sets, say sharegpt and sharegpt-train) were dropped."""
-    from .data import load_dataset
+    from flashdraft.data import load_dataset
 
     prompts: list[_Prompt] = []
     seen: set[str] = set()
@@ -370,7 +370,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def _target_name(spec: str) -> str:
-    from . import models
+    from flashdraft.models import load as models
 
     if spec in models.MODELS:
         return spec
@@ -397,9 +397,9 @@ def _load_tokenizer_only(spec: str):
     """(tokenizer, stop ids) for the endpoint path, without loading the weights when avoidable."""
     from transformers import AutoTokenizer
 
-    from . import models
-    from .models import load_target
-    from .target import TargetError
+    from flashdraft.models import load as models
+    from flashdraft.models.load import load_target
+    from flashdraft.models.target import TargetError
 
     path = None
     if spec in models.MODELS:
@@ -445,9 +445,9 @@ def _generate_local(
     finished rows until the longest one ends). Only our sampling settings apply, so the draft
     learns the plain distribution it will be verified against; each prompt samples from its own
     seed, so its answer does not depend on its batch-mates."""
-    from .engine import Engine
-    from .sampling import SamplingConfig
-    from .sequence import GenerationConfig
+    from flashdraft.engine.engine import Engine
+    from flashdraft.engine.sampling import SamplingConfig
+    from flashdraft.engine.sequence import GenerationConfig
 
     greedy = cfg.temperature <= 0
     sampling = (
@@ -597,7 +597,7 @@ def _check_config(cfg: DatagenConfig) -> list[str]:
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise DataGenError("need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
 
-    from .target import TargetError, resolve_device, resolve_dtype
+    from flashdraft.models.target import TargetError, resolve_device, resolve_dtype
 
     try:  # "auto" is resolved here, so the meta file records what actually ran
         cfg.device = str(resolve_device(cfg.device))
@@ -618,8 +618,8 @@ def _load_backend(cfg: DatagenConfig):
         target = None
         tokenizer, stop_ids = _load_tokenizer_only(cfg.target)
     else:
-        from .models import load_target
-        from .target import cpu_has_fast_bf16
+        from flashdraft.models.load import load_target
+        from flashdraft.models.target import cpu_has_fast_bf16
 
         if cfg.dtype == "bfloat16" and cfg.device == "cpu" and not cpu_has_fast_bf16():
             log.warning(

@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import torch
 
-from .proposers import NOTHING, DFlashProposer, NgramProposer, Proposer
-from .sequence import Row
+from flashdraft.engine.proposers import NOTHING, DFlashProposer, NgramProposer, Proposer
+from flashdraft.engine.sequence import Row
 
 BINS = 10
 EXPLORE = 16  # a row that verified nothing for this many steps verifies its likeliest drafted token

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from .draft import DFlashDraft
-from .sampling import probs, sample
-from .sequence import Row
-from .slots import DEAD, gather_slots, live_order, map_draft_cache, worth_compacting
-from .target import Target
+from flashdraft.engine.sampling import probs, sample
+from flashdraft.engine.sequence import Row
+from flashdraft.engine.slots import DEAD, gather_slots, live_order, map_draft_cache, worth_compacting
+from flashdraft.models.draft import DFlashDraft
+from flashdraft.models.target import Target
 
 NOTHING = torch.zeros(0, dtype=torch.long)
 
@@ -92,7 +92,7 @@ class DFlashProposer(Proposer):
     Each row's new context (its prompt's features after the prefill, then the committed tokens of each
     verify) waits in `pending` until the next draft call writes it into the draft's context cache.
     While the rows are aligned (same positions in every slot: always so at batch 1) the call needs no
-    mask and no slot positions are kept. Otherwise context is padded to the longest row with dead slots (`flashdraft.slots`) and blocks
+    mask and no slot positions are kept. Otherwise context is padded to the longest row with dead slots (`flashdraft.engine.slots`) and blocks
     are as long as the longest row's, a row's extra block slots dead for it, so every row's drafts are
     the ones it would get alone. Sliding-window draft layers see a window counted in positions.
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .train_config import TrainConfig, TrainError, data_source
+from flashdraft.train.config import TrainConfig, TrainError, data_source
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Sequence:
 
 
 def is_corpus(name: str) -> bool:
-    from .data import CORPORA, EVAL_SETS
+    from flashdraft.data import CORPORA, EVAL_SETS
 
     return not Path(name).exists() and (name in CORPORA or name in EVAL_SETS)
 
@@ -37,8 +37,8 @@ def corpus_records(
     """Records of a text corpus (`data.CORPORA`): each prompt through the chat template, and its recorded
     answer as the response, as the template renders an assistant turn. No regeneration: with --distill
     the labels are the target's own distributions over this text (teacher forcing)."""
-    from .chat import chat_ids
-    from .data import DataError, load_corpus
+    from flashdraft.chat import chat_ids
+    from flashdraft.data import DataError, load_corpus
 
     if tokenizer is None:
         raise TrainError(f"--data {name}: a corpus needs the target's tokenizer, and this target has none")
@@ -74,8 +74,8 @@ def corpus_records(
 def read_records(path: str | os.PathLike, vocab_size: int) -> list[dict]:
     """Records of a datagen JSONL or packed .npz file, through datagen's reader (ids inside the target's
     vocabulary, a consistent loss mask; id, dataset and finish optional), its errors as TrainError."""
-    from .datagen import DataGenError
-    from .datagen import read_records as read_datagen_records
+    from flashdraft.train.datagen import DataGenError
+    from flashdraft.train.datagen import read_records as read_datagen_records
 
     try:
         return list(read_datagen_records(path, vocab_size, complete=False))
@@ -111,7 +111,7 @@ def prepare_data(
     held_out: list[dict] = []
     eval_sets: dict[str, list[list[int]]] = {}
     if cfg.eval_refs:
-        from .acceptance import read_references
+        from flashdraft.bench.acceptance import read_references
 
         for r in read_references(cfg.eval_refs):
             eval_sets.setdefault(r.get("set", "refs"), []).append(r["prompt_ids"])
@@ -179,8 +179,8 @@ def _is_prompt_file(path: str) -> bool:
 
 def dataset_prompts(name: str, n: int, tokenizer, template_kwargs: dict | None = None) -> list[list[int]]:
     """The first `n` prompts of a built-in data set, through the target's chat template."""
-    from .chat import chat_ids
-    from .data import DataError, load_dataset
+    from flashdraft.chat import chat_ids
+    from flashdraft.data import DataError, load_dataset
 
     if tokenizer is None:
         raise TrainError(

@@ -1,4 +1,4 @@
-"""`RunnerTarget`: the native runner behind the interface of `flashdraft.target.Target`.
+"""`RunnerTarget`: the native runner behind the interface of `flashdraft.models.target.Target`.
 
 The engine, the proposers, the server and the CLI use a target through a few attributes and methods
 (forward over new positions with features from chosen layers, a cache, crop, masks for per-slot
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..target import Target, TargetError
-from . import gemma, llama
-from .cache import KVCache
-from .quant import Quantization
+from flashdraft.models.runner import gemma, llama
+from flashdraft.models.runner.cache import KVCache
+from flashdraft.models.runner.quant import Quantization
+from flashdraft.models.target import Target, TargetError
 
 # model_type -> the model code that computes it
 FAMILIES: dict[str, type[nn.Module]] = {name: m.Runner for m in (llama, gemma) for name in m.FAMILIES}

@@ -1,4 +1,4 @@
-"""Our own Llama / Qwen2 / Qwen3 (SmolLM2 is a Llama) behind the interface of `flashdraft.target.Target`.
+"""Our own Llama / Qwen2 / Qwen3 (SmolLM2 is a Llama) behind the interface of `flashdraft.models.target.Target`.
 
 Why not transformers: its eager decode step spends about half its time outside the GEMMs (a cache grown
 by concatenation, a few hundred dispatched ops), and its numerics are not batch-invariant, so a verify
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..target import TargetError
-from .cache import KVCache
-from .quant import Quantization, make_linear
+from flashdraft.models.runner.cache import KVCache
+from flashdraft.models.runner.quant import Quantization, make_linear
+from flashdraft.models.target import TargetError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static tables; dynamic ones change with length

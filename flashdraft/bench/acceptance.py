@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .decode import GenerationConfig, generate_batch
-from .draft import DFlashDraft
-from .files import write_text
-from .target import Target
-from .train_loss import build_batch, draft_hidden, target_features
+from flashdraft.engine.decode import GenerationConfig, generate_batch
+from flashdraft.files import write_text
+from flashdraft.models.draft import DFlashDraft
+from flashdraft.models.target import Target
+from flashdraft.train.loss import build_batch, draft_hidden, target_features
 
 
 def greedy_references(

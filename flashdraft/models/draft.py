@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .files import atomic_write
+from flashdraft.files import atomic_write
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -608,7 +608,7 @@ class DFlashDraft(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
     def check_target(self, target) -> None:
-        """Raise DraftError when this draft cannot run with `target` (a `flashdraft.target.Target`)."""
+        """Raise DraftError when this draft cannot run with `target` (a `flashdraft.models.target.Target`)."""
         c = self.config
         problems = []
         if c.hidden_size != target.hidden_size:

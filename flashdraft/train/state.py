@@ -18,9 +18,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .draft import DFlashDraft
-from .target import Target
-from .train_config import RUN_FIELDS, TrainConfig, TrainError
+from flashdraft.models.draft import DFlashDraft
+from flashdraft.models.target import Target
+from flashdraft.train.config import RUN_FIELDS, TrainConfig, TrainError
 
 STATE_NAME = "trainer_state.json"
 

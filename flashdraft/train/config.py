@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from . import target
-from .draft import DraftConfig, DraftError
-from .models import local_dir
+from flashdraft.models import target
+from flashdraft.models.draft import DraftConfig, DraftError
+from flashdraft.models.load import local_dir
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 

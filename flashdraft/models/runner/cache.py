@@ -4,11 +4,11 @@ keys and values, written in place at slot `length` onwards.
 transformers' DynamicCache concatenates every step (a copy of the whole cache per layer and step);
 here a step writes only its new slots, and the capacity grows by doubling when a forward would
 overflow it, so copies are rare. Slots are not positions: rows of a batch may hold different
-positions in the same slot (`flashdraft.slots` keeps them next to the cache, the engine builds masks
+positions in the same slot (`flashdraft.engine.slots` keeps them next to the cache, the engine builds masks
 from them).
 
 The engine edits caches through `layers[i].keys` / `.values` (keep some rows, gather slots, merge a
-prefill's cache into the batch's, see `flashdraft.slots.map_target_cache` and `Engine._prefill`), as it
+prefill's cache into the batch's, see `flashdraft.engine.slots.map_target_cache` and `Engine._prefill`), as it
 does with a DynamicCache. Here those are views of the filled part of the buffers, and assigning one
 writes the new tensor into the buffer (reallocating it only if the batch size or the capacity changes)
 and sets the length: the engine works on this cache unchanged.

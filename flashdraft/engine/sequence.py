@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingConfig
-from .target import Target
+from flashdraft.engine.sampling import SamplingConfig
+from flashdraft.models.target import Target
 
 
 @dataclass

@@ -58,16 +58,16 @@ from pathlib import Path
 
 import torch
 
-from . import chat
-from .adaptive import AdaptiveProposer
-from .chat import chat_ids
-from .decode import GenerationConfig, generate
-from .draft import DFlashDraft, DraftConfig
-from .export import hf_dflash_assistant
-from .proposers import DFlashProposer, NgramProposer
-from .sampling import SamplingConfig
-from .sequence import Row
-from .target import DTYPES, Target, cpu_has_fast_bf16
+from flashdraft import chat
+from flashdraft.chat import chat_ids
+from flashdraft.engine.adaptive import AdaptiveProposer
+from flashdraft.engine.decode import GenerationConfig, generate
+from flashdraft.engine.proposers import DFlashProposer, NgramProposer
+from flashdraft.engine.sampling import SamplingConfig
+from flashdraft.engine.sequence import Row
+from flashdraft.models.draft import DFlashDraft, DraftConfig
+from flashdraft.models.export import hf_dflash_assistant
+from flashdraft.models.target import DTYPES, Target, cpu_has_fast_bf16
 
 # gsm-symbolic-eval: the held-out gsm-symbolic problems (a seed that `gsm-symbolic`, the training
 # side, refuses); ShareGPT's eval split is held out by prompt hash.
@@ -1456,7 +1456,7 @@ def load_prompts(
     target: Target, datasets: Sequence[str], samples: int, template_kwargs: dict | None = None
 ) -> list[BenchPrompt]:
     """The first `samples` examples of each data set, first turn, in the target's chat template."""
-    from .data import load_dataset
+    from flashdraft.data import load_dataset
 
     tok = target.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
@@ -1533,9 +1533,9 @@ def add_arguments(p) -> None:
 
 
 def main_from_args(args) -> int:
-    from .models import load_target, local_dir
-    from .sampling import SamplingConfig
-    from .target import resolve_device, resolve_dtype
+    from flashdraft.engine.sampling import SamplingConfig
+    from flashdraft.models.load import load_target, local_dir
+    from flashdraft.models.target import resolve_device, resolve_dtype
 
     try:
         block_sizes = tuple(int(b) for b in _csv(args.block_sizes))

@@ -1,0 +1,1 @@
+"""Measuring: the benchmark against plain decoding and other methods, and offline acceptance (tau)."""

@@ -1,0 +1,1 @@
+"""The models: the target (transformers or our native runner), the DFlash draft and its checkpoint format, loading built-in targets, export to other engines."""
