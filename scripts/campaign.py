@@ -3,8 +3,11 @@
     # after a sitting: append its in-run evaluations (metrics.jsonl of the run directory)
     python scripts/campaign.py add --card checkpoints/smollm2-135m-instruct-dflash --run runs/campaign-1 \
         --sitting 1 --threads 2 --note "sharegpt corpus + regenerated gsm/code, 5 features"
-    # the curve (campaign.png beside campaign.jsonl) and the table for MODEL_CARD.md
+    # the curve (campaign.png, in the model folder) and the table for MODEL_CARD.md
     python scripts/campaign.py plot --card checkpoints/smollm2-135m-instruct-dflash
+
+The log lives in docs/campaign/<the model folder's name>/ (`--log`), with each sitting's step metrics: a
+checkpoint folder holds the model (config, weights, card, plots), not campaign logs.
 
 Hours are hours of optimizer steps with the machine to the run alone (evaluations excluded), summed over
 sittings; core-hours multiply them by the threads the run used. The log is `campaign.jsonl`: one row per
@@ -23,9 +26,13 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
-def add(card: Path, run: Path, sitting: int, threads: int, note: str) -> list[dict]:
+def log_dir(card: Path, log: Path | None) -> Path:
+    return log or Path(__file__).resolve().parent.parent / "docs" / "campaign" / card.resolve().name
+
+
+def add(card: Path, log: Path, run: Path, sitting: int, threads: int, note: str) -> list[dict]:
     """Append the in-run evaluations of `run` as sitting `sitting`, after the hours logged so far."""
-    log = card / "campaign.jsonl"
+    log = log / "campaign.jsonl"
     rows = [r for r in read_rows(log) if r["sitting"] != sitting]
     before = max((r["hours"] for r in rows), default=0.0)
     busy, out = 0.0, []
@@ -53,13 +60,13 @@ def add(card: Path, run: Path, sitting: int, threads: int, note: str) -> list[di
     return out
 
 
-def plot(card: Path) -> Path:
+def plot(card: Path, log: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_rows(card / "campaign.jsonl")
+    rows = read_rows(log / "campaign.jsonl")
     fig, ax = plt.subplots(figsize=(7, 4))
     sets = sorted({s for r in rows for s in r["sets"]})
     colours = {name: f"C{i}" for i, name in enumerate(sets)}
@@ -95,21 +102,29 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("add")
-    a.add_argument("--card", type=Path, required=True)
+    a.add_argument("--card", type=Path, required=True, help="the model folder (the plot goes there)")
+    a.add_argument(
+        "--log", type=Path, default=None, help="where campaign.jsonl is (docs/campaign/<card name>)"
+    )
     a.add_argument("--run", type=Path, required=True)
     a.add_argument("--sitting", type=int, required=True)
     a.add_argument("--threads", type=int, default=2)
     a.add_argument("--note", default="")
     g = sub.add_parser("plot")
-    g.add_argument("--card", type=Path, required=True)
+    g.add_argument("--card", type=Path, required=True, help="the model folder (the plot goes there)")
+    g.add_argument(
+        "--log", type=Path, default=None, help="where campaign.jsonl is (docs/campaign/<card name>)"
+    )
     args = p.parse_args(argv)
+    log = log_dir(args.card, args.log)
+    log.mkdir(parents=True, exist_ok=True)
     if args.cmd == "add":
-        for r in add(args.card, args.run, args.sitting, args.threads, args.note):
+        for r in add(args.card, log, args.run, args.sitting, args.threads, args.note):
             print(
                 f"sitting {r['sitting']} step {r['step']}: {r['hours']:.2f} h, tau {r['tau']:.3f} {r['sets']}"
             )
     else:
-        print(plot(args.card))
+        print(plot(args.card, log))
     return 0
 
 
