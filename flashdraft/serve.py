@@ -1,7 +1,7 @@
 """`flashdraft serve`: an OpenAI-compatible HTTP server with speculative, batched decoding.
 
 Why this shape: the model is not thread-safe, and batching only pays when one loop owns every row. So
-one background thread (`Scheduler`) owns the `Engine` and calls `step()` while any request is in
+one background thread (`EngineThread`) owns the `Engine` and calls `step()` while any request is in
 flight; a new request joins the batch at the next step, and a finished or abandoned one leaves it at
 the next step. The HTTP side (FastAPI on uvicorn) validates, tokenizes, hands (prompt ids, config) to
 that thread through a thread-safe inbox, and turns the `StepOutput`s it gets back (through a
@@ -216,7 +216,7 @@ class ServerStats:
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
 
-class Scheduler:
+class EngineThread:
     """Owns the Engine on one background thread and steps it while any request is in flight.
 
     Requests arrive through `inbox` (thread-safe). The thread answers each add with "added" or the
@@ -468,11 +468,11 @@ def _validated(model: type[BaseModel], data: dict):
 
 
 class App:
-    """The HTTP routes, around a Scheduler and the target's tokenizer."""
+    """The HTTP routes, around an EngineThread and the target's tokenizer."""
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: EngineThread,
         tokenizer,
         model_name: str,
         max_length: int,
@@ -889,7 +889,7 @@ def serve(cfg: ServeConfig) -> None:
 
     api_key = cfg.api_key or os.environ.get("FLASHDRAFT_API_KEY") or None
     app = App(
-        Scheduler(make_decoder),
+        EngineThread(make_decoder),
         target.tokenizer,
         cfg.model_name or cfg.target,
         target.max_length,

@@ -249,6 +249,20 @@ BUGS = [
         "tests/test_decode.py::test_greedy_equals_transformers_generate",
     ),
     (
+        "scheduler: admits up to max_batch_size beside the running rows (the batch overflows)",
+        "flashdraft/engine/scheduler.py",
+        "            n = max(0, self.max_batch_size - running)",
+        "            n = self.max_batch_size",
+        "tests/test_batch.py",
+    ),
+    (
+        "scheduler: a cancel that arrives as the row finishes is kept (and hits a later request)",
+        "flashdraft/engine/scheduler.py",
+        "                self.cancelled.discard(request_id)  # a cancel that came in while it finished\n",
+        "",
+        "tests/test_batch.py::test_a_cancel_that_races_the_finish_does_not_hit_a_later_request",
+    ),
+    (
         "gguf export: target layers written as our ids, not llama.cpp's ids + 1",
         "flashdraft/models/export.py",
         "[i + 1 for i in c.target_layer_ids]",

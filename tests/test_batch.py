@@ -215,6 +215,27 @@ def test_generate_batch_results_and_ngram(tiny_llama):
     assert sum(sum(a - 1 for a in r.acceptance_lengths) for r in res) > 0  # the n-gram drafts were used
 
 
+def test_a_cancel_that_races_the_finish_does_not_hit_a_later_request(tiny_llama, monkeypatch):
+    """A client cancels while its request's last step runs (the server's disconnect, on another
+    thread): the request ends as it finished, and a new request with the same id is not cancelled."""
+    dec = Engine(tiny_llama, max_batch_size=2)
+    prefill = dec._prefill
+
+    def cancel_during_the_step(rows):
+        dec.cancel("a")  # arrives after the step took its cancellations
+        return prefill(rows)
+
+    monkeypatch.setattr(dec, "_prefill", cancel_during_the_step)
+    dec.add("a", [5, 6, 7], GenerationConfig(1))
+    assert [(o.request_id, o.finished) for o in dec.step()] == [("a", "length")]
+    monkeypatch.setattr(dec, "_prefill", prefill)
+    dec.add("a", [5, 6, 7], GenerationConfig(3))
+    ends = {}
+    while dec.pending():
+        ends.update({o.request_id: o.finished for o in dec.step() if o.finished})
+    assert ends == {"a": "length"}
+
+
 def test_join_midway_and_cancel(tiny_llama):
     draft = make_draft(tiny_llama.model, block_size=4)
     dec = Engine(tiny_llama, DFlashProposer(draft, tiny_llama), max_batch_size=3)

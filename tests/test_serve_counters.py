@@ -19,7 +19,7 @@ from test_serve import KEY, _http, make_tokenizer
 
 from flashdraft import GenerationConfig, Proposer, Target, generate
 from flashdraft.engine.engine import Engine
-from flashdraft.serve import App, Scheduler
+from flashdraft.serve import App, EngineThread
 
 PROMPT = [5, 17, 42, 7, 99, 3, 64]
 
@@ -59,7 +59,7 @@ def serving(target, proposer: Proposer | None, block_size: int, stop_ids: list[i
     """The server's App around an Engine with this proposer, on a free loopback port: its base URL."""
     import uvicorn
 
-    sched = Scheduler(lambda: Engine(target, proposer=proposer, block_size=block_size, max_batch_size=2))
+    sched = EngineThread(lambda: Engine(target, proposer=proposer, block_size=block_size, max_batch_size=2))
     app = App(sched, target.tokenizer, "tiny", target.max_length, target.vocab_size, stop_ids, KEY).build()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -15,7 +15,6 @@ for batching; the positions are materialised the first time the rows stop being 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch
 
 from flashdraft.engine.proposers import Proposer
 from flashdraft.engine.sampling import SamplingConfig, next_token, probs, verify_sampling
+from flashdraft.engine.scheduler import Scheduler
 from flashdraft.engine.sequence import GenerationConfig, Row, check_prompt, prompt_tensor
 from flashdraft.engine.slots import (
     DEAD,
@@ -64,8 +64,7 @@ class Engine:
         block_size: int | None = None,
         max_batch_size: int = 8,
     ):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.scheduler = Scheduler(max_batch_size)
         if proposer is not None:
             proposer.reset()
         self.block_size = block_size if block_size is not None else (proposer.block_size if proposer else 1)
@@ -74,10 +73,6 @@ class Engine:
         self.target, self.proposer, self.max_batch_size = target, proposer, max_batch_size
         self.feature_layers = proposer.feature_layers if proposer is not None else None
         self.rows: list[Row] = []  # running, in batch order
-        self.waiting: list[Row] = []
-        self.cancelled: set[str] = set()
-        self.active: dict[str, Row] = {}  # running or waiting, by request id
-        self.lock = threading.Lock()
         self.cache = None
         self.length = 0  # slots in the cache
         self.kpos: torch.Tensor | None = None  # (B, length) slot positions; None while the rows are aligned
@@ -111,19 +106,13 @@ class Engine:
         if config.seed is not None:
             gen = torch.Generator(device=self.target.device).manual_seed(config.seed)
         row = Row(request_id, prompt[0].tolist(), config, block, gen)
-        with self.lock:
-            if request_id in self.active:
-                raise ValueError(f"request id {request_id!r} is already in the batch: use a unique id")
-            self.active[request_id] = row
-            self.waiting.append(row)
+        self.scheduler.add(row)
         return row
 
     def cancel(self, request_id: str) -> None:
         """Free the request's slot at the next step, which reports it as finished="cancelled".
         Unknown or already finished ids are ignored (a client may disconnect after its last token)."""
-        with self.lock:
-            if request_id in self.active:
-                self.cancelled.add(request_id)
+        self.scheduler.cancel(request_id)
 
     def slot_positions(self) -> torch.Tensor:
         """(B, S): the position every slot of the cache holds for its row (DEAD: nothing)."""
@@ -133,29 +122,20 @@ class Engine:
 
     def pending(self) -> int:
         """Rows running plus rows waiting to join."""
-        with self.lock:
-            return len(self.active)
+        return self.scheduler.pending()
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        with self.lock:
-            cancelled, self.cancelled = self.cancelled, set()
-            self.waiting = [r for r in self.waiting if r.request_id not in cancelled]
+        cancelled = self.scheduler.take_cancelled()
         out = [StepOutput(i, [], "cancelled", None) for i in sorted(cancelled)]
         if cancelled & {r.request_id for r in self.rows}:
             self._keep([b for b, r in enumerate(self.rows) if r.request_id not in cancelled])
         if self.rows:
             out += self._verify_step()
-        with self.lock:
-            n_new = max(0, self.max_batch_size - len(self.rows))
-            joining, self.waiting = self.waiting[:n_new], self.waiting[n_new:]
+        joining = self.scheduler.admit(len(self.rows))
         if joining:
             out += self._prefill(joining)
-        with self.lock:
-            for o in out:
-                if o.finished:
-                    self.active.pop(o.request_id).finished = o.finished
-                    self.cancelled.discard(o.request_id)  # a cancel that came in while it finished
+        self.scheduler.finish({o.request_id: o.finished for o in out if o.finished})
         return out
 
     # -- one draft + verify step for every running row --------------------------------------------
