@@ -53,9 +53,9 @@ BUGS = [
     ),
     (
         "padded draft slots compared like drafts in batched greedy verification",
-        "flashdraft/engine/engine.py",
-        "match &= steps[:k_max] < torch.tensor(ks, device=device)[:, None]",
-        "match &= steps[:k_max] >= 0",
+        "flashdraft/engine/sampling.py",
+        "match &= torch.arange(k_max, device=device) < torch.tensor(ks, device=device)[:, None]",
+        "match &= torch.arange(k_max, device=device) >= 0",
         "tests/test_batch.py::test_padding_equal_to_the_true_next_token_is_never_accepted",
     ),
     (
@@ -961,9 +961,9 @@ BUGS = [
     ),
     (
         "engine: verification draws from the global generator",
-        "flashdraft/engine/engine.py",
-        "a, bonus = verify_sampling(drafts[b : b + 1, :k], p, proposals[b][1], row.generator)",
-        "a, bonus = verify_sampling(drafts[b : b + 1, :k], p, proposals[b][1])",
+        "flashdraft/engine/sampling.py",
+        "a, token = verify_sampling(drafts[b : b + 1, :k], p, qs[b], generators[b])",
+        "a, token = verify_sampling(drafts[b : b + 1, :k], p, qs[b])",
         "tests/test_seeds.py",
     ),
     (

@@ -18,7 +18,7 @@ from conftest import ARCHS, DRAFT_OPTIONS, engine_target, make_draft, make_hf_mo
 from scipy.stats import chisquare
 from test_sampling import _resample_from_p  # the same broken rule the batch-1 power test uses
 
-import flashdraft.engine.engine as engine
+import flashdraft.engine.sampling as sampling
 from flashdraft import (
     DFlashProposer,
     Engine,
@@ -434,7 +434,7 @@ def test_seeded_row_ignores_its_batch(sampling_setup):
 
 def test_distribution_test_has_power(sampling_setup, monkeypatch):
     model, target, draft = sampling_setup
-    monkeypatch.setattr(engine, "verify_sampling", _resample_from_p)
+    monkeypatch.setattr(sampling, "verify_sampling", _resample_from_p)
     cfg = SamplingConfig(1.0, top_p=0.8)
     (counts,) = sample_counts(target, draft, [cfg], rows=1000)
     assert chi2_pvalue(counts, exact_joint(model, cfg)) < 1e-3

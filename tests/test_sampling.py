@@ -13,7 +13,6 @@ import torch
 from conftest import engine_target, make_draft, make_hf_model
 from scipy.stats import chisquare
 
-import flashdraft.engine.engine as engine
 import flashdraft.engine.sampling as sampling
 from flashdraft import DFlashProposer, GenerationConfig, Proposer, SamplingConfig, generate
 from flashdraft.engine.sampling import probs
@@ -145,7 +144,7 @@ def _accept_if_likely(draft, p, q, generator=None):
 
 @pytest.mark.parametrize("broken", [_resample_from_p, _accept_if_likely])
 def test_distribution_test_has_power(monkeypatch, broken):
-    monkeypatch.setattr(engine, "verify_sampling", broken)
+    monkeypatch.setattr(sampling, "verify_sampling", broken)
     cfg = SamplingConfig(1.0, top_p=0.8)
     target = MarkovTarget(seed=0)
     counts = sample_joint(target, MarkovDraft(seed=1, proposal="draft"), cfg, N_SAMPLES)

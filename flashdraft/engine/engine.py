@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft.engine.proposers import Proposer
-from flashdraft.engine.sampling import SamplingConfig, next_token, probs, verify_sampling
+from flashdraft.engine.sampling import SamplingConfig, next_token, verify_block
 from flashdraft.engine.scheduler import Scheduler
 from flashdraft.engine.sequence import GenerationConfig, Row, check_prompt, prompt_tensor
 from flashdraft.engine.slots import (
@@ -168,24 +168,19 @@ class Engine:
             block, q_pos, self.cache, features=self.feature_layers, attention_mask=mask
         )
         t2 = time.perf_counter()
-        # Greedy rows all at once: one argmax and one host transfer per step, not a few per row.
-        if any(r.sampling.greedy for r in rows):
-            choice = logits.argmax(-1)  # (B, k_max + 1)
-            match = drafts == choice[:, :k_max]
-            if not same_k:  # a row's padding after its own drafts never counts as accepted
-                match &= steps[:k_max] < torch.tensor(ks, device=device)[:, None]
-            accepted = match.cumprod(-1).sum(-1)
-            choice_l, accepted_l = choice.tolist(), accepted.tolist()
+        accepted, bonus = verify_block(
+            logits,
+            drafts,
+            ks,
+            [r.sampling for r in rows],
+            [q for _, q in proposals],
+            [r.generator for r in rows],
+        )
         drafts_l = drafts.tolist()
         out, n = [], []
-        for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
-            if row.sampling.greedy:
-                a, bonus = accepted_l[b], choice_l[b][accepted_l[b]]
-            else:
-                p = probs(logits[b : b + 1, : k + 1], row.sampling)
-                a, bonus = verify_sampling(drafts[b : b + 1, :k], p, proposals[b][1], row.generator)
+        for b, (row, k, a) in enumerate(zip(rows, ks, accepted, strict=True)):
             self._count_drafts(k, a)
-            new = row.commit(drafts_l[b][:a] + [int(bonus)])
+            new = row.commit(drafts_l[b][:a] + [bonus[b]])
             row.lengths.append(len(new))
             n.append(len(new))
             out.append(StepOutput(row.request_id, new, row.finished, len(new)))

@@ -87,11 +87,39 @@ def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gener
     return logits.argmax(-1) if cfg.greedy else sample(probs(logits, cfg), generator)
 
 
-def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """draft (1, k), logits (1, k+1, V) of [anchor, draft]. Returns (accepted count a, bonus token)."""
-    choice = logits.argmax(-1)
-    a = int((draft == choice[:, : draft.shape[1]]).cumprod(-1).sum())
-    return a, choice[0, a]
+def verify_block(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    ks: list[int],
+    samplings: list[SamplingConfig],
+    qs: list[torch.Tensor | None],
+    generators: list[torch.Generator | None],
+) -> tuple[list[int], list[int]]:
+    """The verifier of a batch of rows, greedy and sampled mixed: per row b, how many of its ks[b]
+    drafted tokens are accepted, and the token that follows them (the correction or the bonus).
+
+    logits (B, k_max + 1, V) at every row's [anchor, drafts]; drafts (B, k_max), a row's padding after
+    its own ks[b] never counting as accepted; qs[b] the proposer's probabilities of row b's drafts, or
+    None for a greedy proposal. Greedy rows take one argmax and one host transfer for the whole batch.
+    Sampled rows run rejection sampling one by one, each with its own generator, so that a seeded
+    request draws the same numbers alone or beside others."""
+    accepted, bonus = [0] * len(ks), [0] * len(ks)
+    if any(s.greedy for s in samplings):
+        k_max, device = drafts.shape[1], drafts.device
+        choice = logits.argmax(-1)
+        match = drafts == choice[:, :k_max]
+        if len(set(ks)) > 1:  # a row's padding after its own drafts never counts as accepted
+            match &= torch.arange(k_max, device=device) < torch.tensor(ks, device=device)[:, None]
+        accepted_t = match.cumprod(-1).sum(-1)
+        choice_l, accepted_l = choice.tolist(), accepted_t.tolist()
+    for b, (k, cfg) in enumerate(zip(ks, samplings, strict=True)):
+        if cfg.greedy:
+            accepted[b], bonus[b] = accepted_l[b], choice_l[b][accepted_l[b]]
+        else:
+            p = probs(logits[b : b + 1, : k + 1], cfg)
+            a, token = verify_sampling(drafts[b : b + 1, :k], p, qs[b], generators[b])
+            accepted[b], bonus[b] = a, int(token)
+    return accepted, bonus
 
 
 def verify_sampling(
