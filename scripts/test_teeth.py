@@ -256,6 +256,13 @@ BUGS = [
         "tests/test_batch.py",
     ),
     (
+        "scheduler: all joining prompts prefill in one forward, padded to the longest",
+        "flashdraft/engine/scheduler.py",
+        "            if max(lens) * len(lens) <= (1 + PAD_WASTE) * sum(lens):",
+        "            if True:",
+        "tests/test_batch.py::test_prompts_of_different_lengths_prefill_in_runs_that_pad_little",
+    ),
+    (
         "scheduler: a cancel that arrives as the row finishes is kept (and hits a later request)",
         "flashdraft/engine/scheduler.py",
         "                self.cancelled.discard(request_id)  # a cancel that came in while it finished\n",

@@ -30,6 +30,8 @@ from flashdraft import (
     generate_batch,
 )
 from flashdraft.engine.sampling import probs
+from flashdraft.engine.scheduler import PAD_WASTE, prefill_groups
+from flashdraft.engine.sequence import Row
 from flashdraft.engine.slots import DEAD
 
 
@@ -213,6 +215,29 @@ def test_generate_batch_results_and_ngram(tiny_llama):
         assert len(r.acceptance_lengths) == len(r.step_s) == len(r.draft_s) == len(r.verify_s)
         assert r.prefill_s > 0 and r.decode_s >= 0
     assert sum(sum(a - 1 for a in r.acceptance_lengths) for r in res) > 0  # the n-gram drafts were used
+
+
+def test_prompts_of_different_lengths_prefill_in_runs_that_pad_little(tiny_llama):
+    """Joining rows are cut, in order, into runs padded by at most PAD_WASTE: a 2-token prompt does not
+    pay for a 40-token one's length (one forward per run), and every row still decodes as alone."""
+    lens = [53, 78, 87, 70, 52, 60, 62, 61]  # MT-Bench's first 8 chat prompts on SmolLM2
+    groups = prefill_groups([Row(str(i), [1] * n, GenerationConfig(4), 1, None) for i, n in enumerate(lens)])
+    assert [[len(r.prompt) for r in g] for g in groups] == [[53, 78, 87, 70], [52, 60, 62, 61]]
+    for g in groups:
+        n = [len(r.prompt) for r in g]
+        assert max(n) * len(n) <= (1 + PAD_WASTE) * sum(n)
+    prompts = [[5, 9], [7] * 40, [3, 4, 5], [8] * 38]
+    dec = Engine(tiny_llama, max_batch_size=4)
+    for i, p in enumerate(prompts):
+        dec.add(str(i), p, GenerationConfig(6))
+    got: dict[str, list[int]] = {}
+    while dec.pending():
+        for o in dec.step():
+            got.setdefault(o.request_id, []).extend(o.tokens)
+    assert dec.stats["prefills"] == 4  # 2 | 40 | 3 | 38: no two neighbours pad little together
+    assert [got[str(i)] for i in range(4)] == [
+        generate(tiny_llama, p, None, GenerationConfig(6)).tokens for p in prompts
+    ]
 
 
 def test_a_cancel_that_races_the_finish_does_not_hit_a_later_request(tiny_llama, monkeypatch):

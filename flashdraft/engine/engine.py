@@ -23,7 +23,7 @@ import torch
 
 from flashdraft.engine.proposers import Proposer
 from flashdraft.engine.sampling import SamplingConfig, next_token, verify_block
-from flashdraft.engine.scheduler import Scheduler
+from flashdraft.engine.scheduler import Scheduler, prefill_groups
 from flashdraft.engine.sequence import GenerationConfig, Row, check_prompt, prompt_tensor
 from flashdraft.engine.slots import (
     DEAD,
@@ -133,8 +133,8 @@ class Engine:
         if self.rows:
             out += self._verify_step()
         joining = self.scheduler.admit(len(self.rows))
-        if joining:
-            out += self._prefill(joining)
+        for group in prefill_groups(joining):
+            out += self._prefill(group)
         self.scheduler.finish({o.request_id: o.finished for o in out if o.finished})
         return out
 

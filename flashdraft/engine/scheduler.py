@@ -12,6 +12,8 @@ import threading
 
 from flashdraft.engine.sequence import Row
 
+PAD_WASTE = 0.25  # a prefill group may pad its prompts by at most this share of their tokens
+
 
 class Scheduler:
     def __init__(self, max_batch_size: int):
@@ -63,3 +65,20 @@ class Scheduler:
         """Rows running plus rows waiting to join."""
         with self.lock:
             return len(self.active)
+
+
+def prefill_groups(rows: list[Row]) -> list[list[Row]]:
+    """The joining rows cut, in order, into runs whose left-padded prompts waste at most PAD_WASTE of
+    their tokens: one forward per run. A batched prefill pads every prompt to the longest, and with
+    chat prompts of 50-140 tokens half of a 16-row prefill was padding; on the int8 target a prefill
+    costs about the same per token whatever the batch, so padding was pure loss there."""
+    groups: list[list[Row]] = []
+    for row in rows:
+        group = groups[-1] if groups else None
+        if group is not None:
+            lens = [len(r.prompt) for r in group] + [len(row.prompt)]
+            if max(lens) * len(lens) <= (1 + PAD_WASTE) * sum(lens):
+                group.append(row)
+                continue
+        groups.append([row])
+    return groups
