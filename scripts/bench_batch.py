@@ -84,7 +84,8 @@ def run(target, draft, block_size, batch_size, prompts, config, adaptive=False) 
         proposer = make_proposer(draft, target, speculation="adaptive")
         dec = Engine(target, block_size=block_size, max_batch_size=batch_size, proposer=proposer)
     else:
-        dec = Engine(target, DFlashProposer(draft, target), block_size, max_batch_size=batch_size)
+        proposer = None if draft is None else DFlashProposer(draft, target)
+        dec = Engine(target, proposer, block_size, max_batch_size=batch_size)
     out: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, ids in enumerate(prompts):

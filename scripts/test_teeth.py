@@ -286,7 +286,7 @@ BUGS = [
     (
         "gguf export: the draft's mask token not written (the target file's stays)",
         "flashdraft/models/export.py",
-        "        w.add_mask_token_id(c.mask_token_id)\n",
+        "    w.add_mask_token_id(c.mask_token_id)\n",
         "",
         "tests/test_export_gguf.py",
     ),

@@ -32,6 +32,26 @@ class ExportError(ValueError):
     """The draft cannot be exported as asked (the message says why)."""
 
 
+def computes_otherwise(draft: DFlashDraft, target: Target) -> str | None:
+    """Why another engine's DFlash would compute another draft than ours, or None. transformers and
+    llama.cpp embed the block with the target's raw embedding rows and apply only the target's LM head:
+    drafts with an embedding scale, an output multiplier or logit soft-capping, targets whose embedding
+    module scales its output (Gemma) and rope scaling (neither export writes it) are refused."""
+    c = draft.config
+    extras = sorted(set(c.extra) & {"input_embedding_scale", "output_multiplier", "final_logit_softcapping"})
+    if extras:
+        return f"the draft config has {extras}, which the engine's DFlash does not apply"
+    emb = target.model.get_input_embeddings()
+    if type(emb) is not torch.nn.Embedding:
+        return (
+            f"the target's embedding module is {type(emb).__name__} (it scales or normalises its output), "
+            "while DFlash drafts read raw embedding rows"
+        )
+    if c.rope_scaling:
+        return "the draft uses rope_scaling"
+    return None
+
+
 def hf_dflash_assistant(draft: DFlashDraft, target: Target):
     """Our draft as transformers' DFlash assistant (transformers 5.24: `MuseGlimmerAssistantModel`,
     used by `generate(..., speculation_type="dflash")`), or (None, reason) when that is not a pure
@@ -39,10 +59,8 @@ def hf_dflash_assistant(draft: DFlashDraft, target: Target):
 
     The layers are the same (Qwen3-style, KV injection, non-causal block, final norm); the only
     differences are names: `fc` -> `encoder.fc`, `hidden_norm` -> `encoder.output_norm_enc`, and
-    `rope_theta` -> `rope_parameters`. transformers embeds the block with the target's embedding
-    module and applies only the target's LM head, so drafts with an embedding scale, an output
-    multiplier or logit soft-capping, and targets whose embedding module scales its output (Gemma),
-    would compute something else: those are refused with the reason."""
+    `rope_theta` -> `rope_parameters`. What transformers would compute otherwise is refused with the
+    reason (`computes_otherwise`)."""
     try:
         from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
     except ImportError:
@@ -50,18 +68,10 @@ def hf_dflash_assistant(draft: DFlashDraft, target: Target):
             "this transformers has no DFlash assistant model (MuseGlimmerAssistantModel); "
             "transformers 5.24 has one"
         )
+    reason = computes_otherwise(draft, target)
+    if reason:
+        return None, f"not a pure renaming: {reason}"
     c = draft.config
-    extras = sorted(set(c.extra) & {"input_embedding_scale", "output_multiplier", "final_logit_softcapping"})
-    if extras:
-        return None, f"not a pure renaming: the draft config has {extras}, which transformers' DFlash ignores"
-    emb = target.model.get_input_embeddings()
-    if type(emb) is not torch.nn.Embedding:
-        return None, (
-            f"not a pure renaming: the target's embedding module is {type(emb).__name__} (it scales or "
-            "normalises its output), while DFlash drafts read raw embedding rows"
-        )
-    if c.rope_scaling:
-        return None, "not a pure renaming: the draft uses rope_scaling"
     cfg = MuseGlimmerAssistantConfig(
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -143,19 +153,10 @@ def target_gguf(target_spec: str, scratch: Path) -> Path:
 
 
 def _gguf_refusal(draft: DFlashDraft, target: Target) -> str | None:
-    """Why llama.cpp would compute another draft than ours, or None. Its DFlash embeds the block with the
-    target's raw embedding rows and applies no logit transform, as transformers' does."""
-    if type(target.model.get_input_embeddings()) is not torch.nn.Embedding:
-        return "the target's embedding module scales or normalises its output, while llama.cpp's DFlash reads raw rows"
     c = draft.config
-    extras = sorted(set(c.extra) & {"input_embedding_scale", "output_multiplier", "final_logit_softcapping"})
-    if extras:
-        return f"the draft config has {extras}, which llama.cpp's DFlash does not apply"
-    if c.rope_scaling:
-        return "the draft uses rope_scaling, which this export does not write"
     if c.sliding_window is not None and "sliding_attention" in c.layer_types:
         return "the draft has sliding-window layers, which this export does not write"
-    return None
+    return computes_otherwise(draft, target)
 
 
 def export_gguf(draft: DFlashDraft, target: Target, target_file: Path, out: str | os.PathLike) -> Path:
@@ -186,23 +187,7 @@ def export_gguf(draft: DFlashDraft, target: Target, target_file: Path, out: str 
         w = gguf.GGUFWriter(path, "dflash")
         w.add_name(f"{Path(str(target_file)).stem} DFlash draft")
         w.add_file_type(files[dtype])
-        w.add_block_count(c.num_hidden_layers)
-        w.add_context_length(c.max_position_embeddings)
-        w.add_embedding_length(c.hidden_size)
-        w.add_feed_forward_length(c.intermediate_size)
-        w.add_head_count(c.num_attention_heads)
-        w.add_head_count_kv(c.num_key_value_heads)
-        w.add_key_length(c.head_dim)
-        w.add_value_length(c.head_dim)
-        w.add_rope_freq_base(c.rope_theta)
-        w.add_layer_norm_rms_eps(c.rms_norm_eps)
-        w.add_uint32("dflash.block_size", c.block_size)
-        w.add_array("dflash.target_layers", [i + 1 for i in c.target_layer_ids])
-        for field in source.fields.values():
-            if field.name.startswith("tokenizer.") and field.name != gguf.Keys.Tokenizer.MASK_ID:
-                sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-                w.add_key_value(field.name, field.contents(), field.types[0], sub)
-        w.add_mask_token_id(c.mask_token_id)
+        _gguf_metadata(w, c, source)
         for name, t in params.items():
             w.add_tensor(gguf_name(name), **_gguf_array(t if t.dim() > 1 else t.float(), kinds))
         if draft.vocab is not None:
@@ -222,6 +207,30 @@ def export_gguf(draft: DFlashDraft, target: Target, target_file: Path, out: str 
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, write)
     return out
+
+
+def _gguf_metadata(w, c, source) -> None:
+    """The keys llama.cpp's DFlash loader reads (its converter writes the same), and the tokenizer of the
+    target's GGUF `source` (a reader) with the draft's mask token."""
+    import gguf
+
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_uint32("dflash.block_size", c.block_size)
+    w.add_array("dflash.target_layers", [i + 1 for i in c.target_layer_ids])
+    for field in source.fields.values():
+        if field.name.startswith("tokenizer.") and field.name != gguf.Keys.Tokenizer.MASK_ID:
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, field.contents(), field.types[0], sub)
+    w.add_mask_token_id(c.mask_token_id)
 
 
 def _gguf_array(t: torch.Tensor, kinds: dict) -> dict:
