@@ -249,6 +249,13 @@ BUGS = [
         "tests/test_decode.py::test_greedy_equals_transformers_generate",
     ),
     (
+        "adaptive: in a batch, a lone exploring row makes every row verify one more token",
+        "flashdraft/engine/adaptive.py",
+        "            return [p if p.exploring and rows == 1 else NONE for p in picks]",
+        "            return [p if p.exploring else NONE for p in picks]",
+        "tests/test_adaptive.py::test_in_a_batch_a_row_explores_only_when_the_step_verifies_drafts_anyway",
+    ),
+    (
         "scheduler: admits up to max_batch_size beside the running rows (the batch overflows)",
         "flashdraft/engine/scheduler.py",
         "            n = max(0, self.max_batch_size - running)",

@@ -23,6 +23,7 @@ from flashdraft import (
     generate,
     generate_batch,
 )
+from flashdraft.engine import adaptive as A
 from flashdraft.engine.adaptive import EXPLORE, AdaptiveProposer, Calibration, LinearCost, RowState
 
 # What the engine's clock would say of each step, in a CPU-like ratio: a plain step (one token per row)
@@ -264,3 +265,27 @@ def test_rows_are_cut_below_a_cost_step():
     assert cut.conf.shape == (3,)
     adaptive.verify_cost.by_size.clear()  # the line alone
     assert len(adaptive.cut([pick])[0].tokens) == 4
+
+
+def test_in_a_batch_a_row_explores_only_when_the_step_verifies_drafts_anyway():
+    """The verify pads every row to the longest: at batch 4 one exploring row's single token makes all four
+    rows verify two tokens, a cost of four tokens for one measurement (at batch 16 that cost adaptive
+    speculation 22% of plain throughput). Alone, the row explores; beside a row whose drafts pay, too."""
+    adaptive = AdaptiveProposer(None, NgramProposer())
+    adaptive.plain_cost.add(4, 1.0)
+    adaptive.plain_cost.add(1, 1.0)
+    for n in range(2, 41):
+        adaptive.verify_cost.add(n, 1.0 if n <= 4 else 2.0)  # a kernel that takes rows 4 at a time
+    hopeless, sure = Calibration(), Calibration()
+    hopeless.hits, sure.hits = hopeless.seen * 0.01, sure.seen * 0.99
+    explore = AdaptiveProposer._choose(
+        [("ngram", torch.tensor([7]), None, torch.full((1,), 0.5), hopeless)], 0.5, RowState(idle=EXPLORE)
+    )
+    assert explore.exploring and len(explore.tokens) == 1
+    assert [p.source for p in adaptive.cut([explore, A.NONE, A.NONE, A.NONE])] == ["none"] * 4
+    assert adaptive.cut([explore])[0].exploring  # alone: one token costs one row
+    good = AdaptiveProposer._choose(
+        [("dflash", torch.arange(7), None, torch.full((7,), 0.5), sure)], adaptive.threshold(4), RowState()
+    )
+    kept = adaptive.cut([explore, good, A.NONE, A.NONE])
+    assert kept[0].exploring and kept[1].source == "dflash"  # the drafts pay: the exploring row rides along
