@@ -612,12 +612,11 @@ def check_args(args) -> None:
     if getattr(args, "draft", None):
         _draft_dir(args.draft, "DRAFT" if args.cmd == "export" else "--draft")
     if args.cmd == "export" and args.to == "gguf":
-        if target_kind(args.target) not in ("builtin", "gguf"):
-            raise UsageError(
-                f"--to gguf needs the target as a GGUF (a built-in name or a .gguf file), not {args.target!r}: "
-                "the draft file carries the target's tokenizer. Convert the target with llama.cpp's "
-                "convert_hf_to_gguf.py and pass --target that.gguf"
-            )
+        from flashdraft.models.export import not_a_gguf_target
+
+        reason = not_a_gguf_target(args.target)
+        if reason:
+            raise UsageError(reason)
         if Path(args.out).is_dir():
             raise UsageError(
                 f"OUT {args.out} is a directory: --to gguf writes one file, e.g. {args.out}/draft.gguf"

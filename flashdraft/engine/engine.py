@@ -70,7 +70,7 @@ class Engine:
         self.block_size = block_size if block_size is not None else (proposer.block_size if proposer else 1)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 (1 = plain decoding), got {self.block_size}")
-        self.target, self.proposer, self.max_batch_size = target, proposer, max_batch_size
+        self.target, self.proposer = target, proposer
         self.feature_layers = proposer.feature_layers if proposer is not None else None
         self.rows: list[Row] = []  # running, in batch order
         self.cache = None
@@ -113,6 +113,10 @@ class Engine:
         """Free the request's slot at the next step, which reports it as finished="cancelled".
         Unknown or already finished ids are ignored (a client may disconnect after its last token)."""
         self.scheduler.cancel(request_id)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.scheduler.max_batch_size
 
     def slot_positions(self) -> torch.Tensor:
         """(B, S): the position every slot of the cache holds for its row (DEAD: nothing)."""

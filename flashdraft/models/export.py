@@ -136,20 +136,30 @@ def gguf_name(name: str) -> str:
     return f"{GGUF_TOP[stem]}.weight"
 
 
+def not_a_gguf_target(target_spec: str) -> str | None:
+    """Why --to gguf cannot take this --target (checked without loading anything), or None."""
+    from flashdraft.models.load import target_kind
+
+    if target_kind(target_spec) in ("builtin", "gguf"):
+        return None
+    return (
+        f"--to gguf needs the target as a GGUF (a built-in name or a .gguf file), not {target_spec!r}: the "
+        "draft file carries the target's tokenizer. Convert the target with llama.cpp's convert_hf_to_gguf.py "
+        "and pass --target that.gguf"
+    )
+
+
 def target_gguf(target_spec: str, scratch: Path) -> Path:
     """The GGUF file of a --target (built-in name or .gguf path): the draft file copies its tokenizer."""
     from flashdraft.models.load import get_spec, known_names, local_dir
 
+    reason = not_a_gguf_target(target_spec)
+    if reason:
+        raise ExportError(reason)
     if str(target_spec) in known_names():
         spec = get_spec(str(target_spec))
         return spec.find_gguf(spec, scratch).path
-    if str(target_spec).lower().endswith(".gguf"):
-        return local_dir(target_spec)
-    raise ExportError(
-        f"--to gguf needs the target as a GGUF (a built-in name or a .gguf file), not {target_spec!r}: the draft "
-        "file carries the target's tokenizer. Convert the target with llama.cpp's convert_hf_to_gguf.py and "
-        "pass --target that.gguf"
-    )
+    return local_dir(target_spec)
 
 
 def _gguf_refusal(draft: DFlashDraft, target: Target) -> str | None:
