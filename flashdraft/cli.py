@@ -82,7 +82,7 @@ def inexact_note(target) -> str | None:
 
 
 def add_runner_arguments(p) -> None:
-    """--runner and --quantize, for the verbs that decode (generate, serve, bench)."""
+    """--runner and --quantize, for the verbs that decode (generate, serve, bench, datagen)."""
     p.add_argument(
         "--runner",
         choices=list(RUNNERS),
@@ -248,6 +248,8 @@ def cmd_datagen(args) -> int:
         endpoint=args.endpoint,
         model=args.model,
         dtype=args.dtype,
+        runner=args.runner,
+        quantize=args.quantize,
         device=args.device,
         progress=not args.no_progress,
         chat_template_kwargs=args.chat_template_kwargs,
@@ -418,6 +420,8 @@ def _add_draft_verbs(sub) -> None:
 
 
 def _add_datagen(sub) -> None:
+    from flashdraft.train.datagen import DatagenConfig
+
     d = sub.add_parser(
         "datagen", help="regenerate training responses with the target itself (JSONL, resumable)"
     )
@@ -464,6 +468,8 @@ def _add_datagen(sub) -> None:
     d.add_argument(
         "--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N] (local target)"
     )
+    add_runner_arguments(d)
+    d.set_defaults(runner=DatagenConfig.runner)  # measured faster for batched datagen (DatagenConfig)
     chat.add_argument(d, "the prompts (also sent to --endpoint)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_datagen)

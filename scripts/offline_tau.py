@@ -8,7 +8,8 @@
     python scripts/offline_tau.py --target smollm2-135m-instruct --refs runs/refs.jsonl \
         --draft checkpoints/smollm2-135m-instruct-dflash,runs/x/checkpoints/step-00000600 [--real]
 
-`--real` also runs the real greedy loop on the same prompts and lengths, to show that both agree.
+`--real` also runs the real greedy loop on the same prompts and lengths, to show that both agree. Each
+prints tau per set and the acceptance per block position (the share of steps that accepted position k).
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def main(argv=None) -> int:
         if args.real:
             line += f"; real loop tau {est['real_tau']:.3f} ({est['real_eval_s']:.0f} s)"
         print(line, flush=True)
+        for key in ("position_acceptance", "real_position_acceptance"):
+            if key in est:  # the share of steps that accepted the drafted token at block position k
+                print(f"  {key}: " + " ".join(f"{k}:{v:.3f}" for k, v in enumerate(est[key], 1)), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -22,6 +22,48 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "datagen continues a file with another model's answers",
+        "flashdraft/train/datagen.py",
+        'bad.append(("--runner / --quantize", "weights"))',
+        "pass",
+        "tests/test_datagen.py::test_partial_last_line_is_repaired_and_other_settings_are_refused",
+    ),
+    (
+        "a checkpoint as --init-draft starts its optimizer afresh",
+        "flashdraft/train/state.py",
+        "    _set_moments(draft, optimizer, flat)\n    return f\"optimizer moments carried",
+        "    return f\"optimizer moments carried",
+        "tests/test_lineage.py::test_a_checkpoint_as_init_draft_carries_its_optimizer_moments",
+    ),
+    (
+        "the view budget ignored when planning epochs",
+        "flashdraft/train/data.py",
+        "                if left[sources[i]] > 0:",
+        "                if True:",
+        "tests/test_lineage.py",
+    ),
+    (
+        "the lineage forgets what --init-draft's ancestors read",
+        "flashdraft/train/lineage.py",
+        "    merged = {k: dict(v) for k, v in prior.items()}",
+        "    merged = {}",
+        "tests/test_lineage.py::test_the_budget_holds_across_sittings",
+    ),
+    (
+        "position acceptance counts the steps that reached position k, not those that accepted it",
+        "flashdraft/bench/acceptance.py",
+        "sum(n > k for n in lengths)",
+        "sum(n >= k for n in lengths)",
+        "tests/test_acceptance.py::test_offline_walk_is_the_real_loop_step_for_step",
+    ),
+    (
+        "the real loop's position acceptance counts one prompt only",
+        "flashdraft/train/loop.py",
+        "            every += res.acceptance_lengths",
+        "            every = list(res.acceptance_lengths)",
+        "tests/test_acceptance.py::test_offline_walk_is_the_real_loop_step_for_step",
+    ),
+    (
         "test drafts ignore their context (default 0.02 init)",
         "tests/conftest.py",
         "DRAFT_STD = 0.15",

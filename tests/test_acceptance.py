@@ -8,6 +8,7 @@ from conftest import make_draft, make_hf_model
 from flashdraft import DFlashProposer, Target
 from flashdraft.bench.acceptance import acceptance_lengths, greedy_references, offline_tau, walk
 from flashdraft.engine.decode import GenerationConfig, generate
+from flashdraft.train.loop import evaluate_tau
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,12 @@ def test_offline_walk_is_the_real_loop_step_for_step(setup):
     assert est["tau"] == pytest.approx(sum(seen) / len(seen))
     assert est["anchors"] == sum(len(r["response_ids"]) - 1 for r in refs)
     assert set(est) >= {"tau/x", "tau/y", "tau_all", "tau_all/x"}
+    # Per block position k: the share of the loop's steps that committed more than k tokens.
+    assert est["position_acceptance"] == pytest.approx(
+        [sum(n > k for n in seen) / len(seen) for k in range(1, 5)], abs=1e-4
+    )
+    real = evaluate_tau(draft, target, {"x": [r["prompt_ids"] for r in refs]}, 5, 30)
+    assert real["position_acceptance"] == est["position_acceptance"]
 
 
 def test_greedy_references_are_plain_greedy_decoding(setup):

@@ -419,6 +419,7 @@ def test_machine_load_counts_other_processes_cpu_time(monkeypatch):
     monkeypatch.setattr(bench, "_cpu_ticks", lambda: next(ticks))
     monkeypatch.setattr(bench, "_own_cpu_s", lambda: next(own))
     monkeypatch.setattr(bench.os, "sysconf", lambda name: 100)
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (0.5, 0.5, 0.5))  # not this machine's own load
     summary = bench.MachineLoad().summary()
     assert summary["others_share"] == pytest.approx(0.5) and summary["steal_share"] == pytest.approx(0.03)
     # others took a core's worth: too much beside 2 threads on 2 cores, not beside 1 thread on 4

@@ -228,6 +228,10 @@ def test_partial_last_line_is_repaired_and_other_settings_are_refused(tiny, tmp_
         run_datagen(_cfg(d, out, limit=6, max_new_tokens=17))
     with pytest.raises(DataGenError, match=r"temperature"):
         run_datagen(_cfg(d, out, limit=6, temperature=0.7))
+    with pytest.raises(
+        DataGenError, match=r"weights 'transformers, dense weights, float32' \(now 'native runner"
+    ):
+        run_datagen(_cfg(d, out, limit=6, runner="native"))  # another model's answers: another file
     # A different batch size or more prompts is fine: same records.
     assert run_datagen(_cfg(d, out, limit=7, batch_size=2)).written == 1
 

@@ -104,23 +104,32 @@ def walk(lengths: torch.Tensor) -> list[int]:
     return visited
 
 
+def position_acceptance(lengths: Sequence[int], block_size: int) -> list[float]:
+    """Entry k-1: the share of decode steps whose drafted token at block position k was accepted (the step
+    committed more than k tokens), k = 1 .. block_size - 1. Unconditional, hence non-increasing in k; it
+    shows where a draft's acceptance ends, which tau alone hides."""
+    top = max([block_size, *lengths])
+    return [sum(n > k for n in lengths) / len(lengths) if lengths else float("nan") for k in range(1, top)]
+
+
 def offline_tau(draft: DFlashDraft, target: Target, references: list[dict]) -> dict:
     """Per set and pooled: "tau", the real greedy loop's tau on these references (committed tokens per
-    step, by walking the anchors it would visit), and "tau_all", the mean over every anchor."""
-    committed: dict[str, int] = {}
-    steps: dict[str, int] = {}
+    step, by walking the anchors it would visit), "tau_all", the mean over every anchor, and
+    "position_acceptance" of the walked steps (`position_acceptance`)."""
+    walked: dict[str, list[int]] = {}
     every: dict[str, list[torch.Tensor]] = {}
     for r in references:
         lengths = acceptance_lengths(draft, target, r["prompt_ids"], r["response_ids"])
         name = r.get("set", "all")
-        committed[name] = committed.get(name, 0) + int(lengths.numel())
-        steps[name] = steps.get(name, 0) + len(walk(lengths))
+        walked.setdefault(name, []).extend(walk(lengths))
         every.setdefault(name, []).append(lengths.double())
-    out = {"tau": sum(committed.values()) / max(1, sum(steps.values()))}
+    steps = [n for v in walked.values() for n in v]
+    out = {"tau": sum(steps) / max(1, len(steps))}
     pooled = torch.cat([torch.cat(v) for v in every.values()]) if every else torch.zeros(1)
     out["tau_all"] = float(pooled.mean())
-    for name in committed:
-        out[f"tau/{name}"] = committed[name] / max(1, steps[name])
+    for name, v in walked.items():
+        out[f"tau/{name}"] = sum(v) / max(1, len(v))
         out[f"tau_all/{name}"] = float(torch.cat(every[name]).mean())
     out["anchors"] = int(pooled.numel())
+    out["position_acceptance"] = [round(x, 4) for x in position_acceptance(steps, draft.config.block_size)]
     return out

@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 from flashdraft import chat
+from flashdraft.bench.acceptance import position_acceptance
 from flashdraft.chat import chat_ids
 from flashdraft.engine.adaptive import AdaptiveProposer
 from flashdraft.engine.decode import GenerationConfig, generate
@@ -361,9 +362,7 @@ def summarize_runs(runs: list[Run], block_size: int) -> dict:
         "target_forwards": steps,
         "tau": _div(tokens, steps),
         "histogram": hist,  # histogram[k-1]: decode steps that committed k tokens
-        # position_acceptance[k-1]: share of decode steps whose drafted token at block position k was
-        # accepted (acceptance length > k); unconditional, hence non-increasing in k
-        "position_acceptance": [_div(sum(hist[k:]), steps) for k in range(1, top)],
+        "position_acceptance": position_acceptance(lengths, block_size),
         "decode_s": decode_s,
         "ttft_s": _div(sum(r.prefill_s for r in runs), len(runs)),
         "time_per_token_s": _div(decode_s, tokens),

@@ -79,7 +79,10 @@ class TrainConfig:
     cache_gb: float = 8.0  # memory cap of the feature cache; sequences past it are recomputed each epoch
     corpus_limit: int | None = None  # (prompt, answer) pairs taken from each named corpus in --data
     corpus_skip: int = 0  # ... after skipping this many (each sitting of a campaign can take a fresh slice)
-    init_draft: str | None = None  # start from this draft's weights (fresh optimizer and schedule)
+    init_draft: str | None = None  # start from this draft's weights (a checkpoint: and its optimizer moments)
+    # Each source is drawn at most this many times over the draft's whole lineage (train.lineage): a draft
+    # that reads a small data set again and again memorises it (loss falls, held-out tau stands). 0: no cap.
+    max_views: float = 3.0
     chat_template_kwargs: dict | None = None  # chat template options for corpora and evaluation prompts
     resume: bool = False
     progress: bool = True
@@ -118,6 +121,7 @@ RUN_FIELDS = (
     "corpus_skip",
     "init_draft",
     "chat_template_kwargs",
+    "max_views",
 )
 
 
@@ -196,6 +200,8 @@ def check_config(cfg: TrainConfig) -> None:
             problems.append(str(e))
     if any(weighted) and not all(weighted):
         problems.append("--data: give every item a mixing weight (sharegpt:0.7,x.npz:0.3) or none")
+    if cfg.max_views < 0:
+        problems.append(f"--max-views must be >= 0 (0: no cap), got {cfg.max_views}")
     if cfg.corpus_skip < 0:
         problems.append(f"--corpus-skip must be >= 0, got {cfg.corpus_skip}")
     if cfg.corpus_limit is not None and cfg.corpus_limit < 1:

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from flashdraft.train.config import TrainConfig, TrainError, data_source
+from flashdraft.train.lineage import source_key
 
 
 @dataclass
@@ -89,7 +90,7 @@ def prepare_data(
     """Training sequences, evaluation prompts by set, and counts. The last `eval_prompts` records
     are held out (never trained on) unless `eval_data` names the evaluation sets: datagen files or
     built-in data set names (`gsm-symbolic-eval,humaneval`), `eval_prompts` from each."""
-    records, groups = [], []
+    records, groups, sources = [], [], []
     for item in cfg.data:
         name, weight = data_source(item)
         part = (
@@ -101,6 +102,8 @@ def prepare_data(
         )
         records += [r | {"source": len(groups)} for r in part]
         groups.append(weight)
+        label = f"{name} (pairs {cfg.corpus_skip}+, limit {cfg.corpus_limit})" if is_corpus(name) else name
+        sources.append({"key": source_key(part), "name": label})
     if not records:
         raise TrainError(f"no records in {', '.join(cfg.data)}")
     if not any(any(r["loss_mask"]) for r in records):
@@ -167,6 +170,8 @@ def prepare_data(
         "tokens": sum(s.ids.numel() for s in seqs),
         "response_tokens": sum(int(s.loss_mask.sum()) for s in seqs),
         "weights": groups if any(w is not None for w in groups) else None,
+        # Per --data item: its content key and trained sequences, for the view budget (train.lineage).
+        "sources": [s | {"sequences": sum(q.source == g for q in seqs)} for g, s in enumerate(sources)],
     }
     return seqs, eval_sets, stats
 
@@ -230,6 +235,33 @@ def epoch_mix(sources: list[int], weights: list[float], seed: int, epoch: int) -
             picked += [members[i] for i in perm.tolist()]
         out += picked[:want]
     return out
+
+
+def plan_epochs(
+    sources: list[int],
+    lengths: list[int],
+    weights: list[float] | None,
+    seed: int,
+    epochs: int,
+    batch_tokens: int,
+    allowed: list[int] | None = None,
+) -> list[list[list[int]]]:
+    """Every epoch's batches (`epoch_mix`, `epoch_batches`). `allowed[g]`: the draws source g has left
+    under the view budget (`train.lineage`); an epoch takes no more than that from it, so once a source
+    is spent later epochs shrink, and they end empty when every source is."""
+    left = list(allowed) if allowed is not None else None
+    plans = []
+    for epoch in range(epochs):
+        members = list(range(len(sources))) if weights is None else epoch_mix(sources, weights, seed, epoch)
+        if left is not None:
+            kept = []
+            for i in members:
+                if left[sources[i]] > 0:
+                    left[sources[i]] -= 1
+                    kept.append(i)
+            members = kept
+        plans.append(epoch_batches(lengths, batch_tokens, seed, epoch, members) if members else [])
+    return plans
 
 
 def epoch_batches(

@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 from flashdraft import chat
-from flashdraft.bench.acceptance import offline_tau, read_references
+from flashdraft.bench.acceptance import offline_tau, position_acceptance, read_references
 from flashdraft.engine.decode import GenerationConfig, generate
 from flashdraft.engine.proposers import DFlashProposer
 from flashdraft.files import atomic_write, write_json, write_text
@@ -58,18 +58,26 @@ from flashdraft.train.config import (
 )
 from flashdraft.train.data import (
     _generator,
-    epoch_batches,
-    epoch_mix,
     file_fingerprint,
     head_rows,
+    plan_epochs,
     prepare_data,
     sample_anchors,
+)
+from flashdraft.train.lineage import (
+    LINEAGE_NAME,
+    allowed_draws,
+    describe,
+    lineage_after,
+    read_lineage,
+    write_lineage,
 )
 from flashdraft.train.loss import Batch, FrozenHead, batch_loss, block_targets, build_batch, target_features
 from flashdraft.train.state import (
     Dist,
     all_sum,
     barrier,
+    carry_moments,
     check_resume,
     checkpoint_dirs,
     checkpoint_name,
@@ -131,10 +139,11 @@ def evaluate_tau(
     max_new_tokens: int,
 ) -> dict:
     """tau of the real decode loop (greedy) on held-out prompts: committed tokens per target forward,
-    pooled over all prompts ("tau") and per evaluation set ("tau/<set>")."""
+    pooled over all prompts ("tau") and per evaluation set ("tau/<set>"), and the pooled
+    "position_acceptance" (`flashdraft.bench.acceptance.position_acceptance`)."""
     sets = prompts if isinstance(prompts, dict) else {"held-out": prompts}
     proposer = DFlashProposer(draft, target, proposal="greedy")
-    out, all_c, all_s, t0 = {}, 0, 0, time.perf_counter()
+    out, every, t0 = {}, [], time.perf_counter()
     for name, group in sets.items():
         committed = steps = 0
         for prompt in group:
@@ -147,12 +156,13 @@ def evaluate_tau(
             res = generate(target, prompt, proposer, cfg)
             committed += sum(res.acceptance_lengths)
             steps += len(res.acceptance_lengths)
+            every += res.acceptance_lengths
         out[f"tau/{name}"] = committed / steps if steps else float("nan")
-        all_c, all_s = all_c + committed, all_s + steps
     return {
-        "tau": all_c / all_s if all_s else float("nan"),
+        "tau": sum(every) / len(every) if every else float("nan"),
         **(out if len(sets) > 1 else {}),
-        "eval_tokens": all_c,
+        "eval_tokens": sum(every),
+        "position_acceptance": [round(x, 4) for x in position_acceptance(every, block_size)],
         "eval_s": round(time.perf_counter() - t0, 3),
     }
 
@@ -244,6 +254,8 @@ class Run:
     head: FrozenHead | None = None
     total: int = 0
     per_epoch: list[int] = field(default_factory=list)
+    plans: list[list[list[int]]] = field(default_factory=list)  # every epoch's batches (data.plan_epochs)
+    prior: dict = field(default_factory=dict)  # --init-draft's lineage (train.lineage)
     feature_cache: dict[int, torch.Tensor] = field(default_factory=dict)
     cache_room: int = 0  # bytes left for cached features
     last: dict = field(default_factory=dict)  # the last metrics row
@@ -317,10 +329,33 @@ def _open_run(cfg: TrainConfig, d: Dist, device: torch.device) -> tuple[Run, Pat
         refs=read_references(cfg.eval_refs) if cfg.eval_refs else None,
         cache_room=int(cfg.cache_gb * 2**30),
     )
-    run.per_epoch = [len(_epoch_plan(run, e)) for e in range(cfg.epochs)]
+    _plan(run)
+    return run, ckpt, ckpt_state
+
+
+def _plan(run: Run) -> None:
+    """Every epoch's batches, under the view budget left by --init-draft's lineage (train.lineage)."""
+    cfg, seqs, sources = run.cfg, run.seqs, run.stats["sources"]
+    run.prior = read_lineage(local_dir(cfg.init_draft)) if cfg.init_draft else {}
+    allowed = allowed_draws(sources, run.prior, cfg.max_views)
+    if allowed is not None and not any(allowed):
+        raise TrainError(
+            f"every --data source has been read --max-views {cfg.max_views} times by this draft's lineage "
+            f"({LINEAGE_NAME} of --init-draft): train on fresh data (flashdraft datagen, another corpus "
+            "slice) or raise --max-views"
+        )
+    run.plans = plan_epochs(
+        [q.source for q in seqs],
+        [q.ids.numel() for q in seqs],
+        run.stats["weights"],
+        cfg.seed,
+        cfg.epochs,
+        cfg.batch_tokens,
+        allowed,
+    )
+    run.per_epoch = [len(p) for p in run.plans]
     total = sum(run.per_epoch)
     run.total = total if cfg.max_steps is None else min(total, cfg.max_steps)
-    return run, ckpt, ckpt_state
 
 
 def _draft_config(run: Run):
@@ -368,9 +403,7 @@ def _make_draft(run: Run, ckpt: Path | None, ckpt_state: dict | None) -> None:
         run.log(init_from_target(draft, target))
     if start_from is not None and ckpt is None:
         draft.load_state_dict(start_from.state_dict())
-        run.log(
-            f"draft starts from {cfg.init_draft} ({len(dcfg.target_layer_ids)} target layers, fresh optimizer)"
-        )
+        run.log(f"draft starts from {cfg.init_draft} ({len(dcfg.target_layer_ids)} target layers)")
     # With --distill the target's last layer (its final-normed output) is read too: the teacher.
     run.feature_ids = list(dcfg.target_layer_ids) + ([target.num_layers - 1] if cfg.distill else [])
     run.n_draft_feats = len(dcfg.target_layer_ids) * target.hidden_size
@@ -378,6 +411,8 @@ def _make_draft(run: Run, ckpt: Path | None, ckpt_state: dict | None) -> None:
         shard(draft, run.device, d)
     draft.train()
     run.optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if start_from is not None and ckpt is None:
+        run.log(carry_moments(local_dir(cfg.init_draft), draft, run.optimizer))
     rows = None
     if cfg.head_vocab:
         keep = None if start_from is None else start_from.vocab
@@ -433,13 +468,15 @@ def _start_at(run: Run, ckpt: Path | None, ckpt_state: dict | None) -> int:
     return start
 
 
-def _epoch_plan(run: Run, epoch: int) -> list[list[int]]:
-    """The batches (lists of sequence indices) of one epoch."""
-    cfg, seqs = run.cfg, run.seqs
-    members = None
-    if run.stats["weights"] is not None:
-        members = epoch_mix([s.source for s in seqs], run.stats["weights"], cfg.seed, epoch)
-    return epoch_batches([s.ids.numel() for s in seqs], cfg.batch_tokens, cfg.seed, epoch, members)
+def _lineage(run: Run, steps: int) -> dict:
+    """The draft's lineage after `steps` optimizer steps: --init-draft's plus this run's draws."""
+    draws, left = [0] * len(run.stats["sources"]), steps
+    for plan in run.plans:
+        for batch in plan[:left]:
+            for i in batch:
+                draws[run.seqs[i].source] += 1
+        left -= min(left, len(plan))
+    return lineage_after(run.stats["sources"], draws, run.prior, run.cfg.max_views)
 
 
 def _batch_features(run: Run, part: list[int], batch: Batch) -> torch.Tensor:
@@ -489,7 +526,10 @@ def _save(run: Run, step: int, epoch: int, epoch_step: int) -> None:
         "train_config": asdict(run.cfg),
         "wall_s": round(time.perf_counter() - run.t_start, 1),
     }
-    saved = save_checkpoint(run.out, step, run.draft, run.optimizer, run.d, state, run.cfg.keep_checkpoints)
+    lineage = {LINEAGE_NAME: json.dumps(_lineage(run, step), indent=1) + "\n"}
+    saved = save_checkpoint(
+        run.out, step, run.draft, run.optimizer, run.d, state, run.cfg.keep_checkpoints, lineage
+    )
     run.last_ckpt = saved or run.last_ckpt
 
 
@@ -593,7 +633,7 @@ def _loop(run: Run, start: int) -> tuple[int, float]:
                 if epoch >= 0:
                     first_in_epoch += len(plan)
                 epoch += 1
-                plan = _epoch_plan(run, epoch)
+                plan = run.plans[epoch]
             j = step - first_in_epoch
             t0 = time.perf_counter()
             # With --max-minutes the schedule runs on time: it ends where the budget does.
@@ -639,6 +679,9 @@ def _finish(run: Run, blocks_done: int, busy_s: float) -> dict:
     if run.d.main:
         out = run.out
         whole.save_pretrained(out / "draft", dtype=DTYPES[run.cfg.save_dtype])
+        lineage = _lineage(run, run.last.get("step", 0))
+        write_lineage(out / "draft", lineage)
+        run.log("sources read by this draft's lineage:\n  " + "\n  ".join(describe(lineage)))
         rows = read_metrics(run.metrics_path)
         plot_metrics(rows, out / "plot.png")
         losses = [m["loss"] for m in rows if m.get("loss") is not None]
@@ -653,6 +696,7 @@ def _finish(run: Run, blocks_done: int, busy_s: float) -> dict:
             "wall_s": round(time.perf_counter() - run.t_start, 1),
             "draft": str(out / "draft"),
             "checkpoint": str(run.last_ckpt) if run.last_ckpt else None,
+            "lineage": lineage["sources"],
         }
         write_json(out / "summary.json", summary, indent=1)
         tau_txt = " -> ".join(f"{t:.3f}" for _, t in taus) if taus else "not evaluated"
@@ -717,7 +761,16 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--init-draft",
         default=None,
-        help="start from this draft directory's weights (fresh optimizer and schedule)",
+        help="start from this draft directory's weights; a training checkpoint (OUT/checkpoints/step-N) "
+        "also carries its optimizer moments (the schedule starts afresh: consider --warmup 0)",
+    )
+    p.add_argument(
+        "--max-views",
+        type=float,
+        default=TrainConfig.max_views,
+        help="draw each data source at most this many times over the draft's whole lineage (its "
+        "lineage.json, which --init-draft's carries over); the run ends early when every source is spent. "
+        "0: no cap",
     )
     p.add_argument(
         "--cache-gb", type=float, default=TrainConfig.cache_gb, help="memory cap of --cache-features (GiB)"

@@ -167,9 +167,19 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def save_checkpoint(out: Path, step: int, draft, optimizer, d: Dist, state: dict, keep: int) -> Path | None:
-    """Write OUT/checkpoints/step-N atomically (temp dir, then rename) and prune older ones.
-    A collective call under torchrun; only rank 0 writes."""
+def save_checkpoint(
+    out: Path,
+    step: int,
+    draft,
+    optimizer,
+    d: Dist,
+    state: dict,
+    keep: int,
+    files: dict[str, str] | None = None,
+) -> Path | None:
+    """Write OUT/checkpoints/step-N atomically (temp dir, then rename) and prune older ones; `files`: more
+    text files for it (name -> text), such as the draft's lineage. A collective call under torchrun; only
+    rank 0 writes."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     whole = unsharded(draft, d)
@@ -199,6 +209,8 @@ def save_checkpoint(out: Path, step: int, draft, optimizer, d: Dist, state: dict
                 python_random=[py_state[0], list(py_state[1]), py_state[2]],
             )
             (tmp / STATE_NAME).write_text(json.dumps(state, indent=1) + "\n")
+            for name, text in (files or {}).items():
+                (tmp / name).write_text(text)
             for f in tmp.iterdir():
                 with open(f, "rb+") as fh:
                     os.fsync(fh.fileno())
@@ -216,14 +228,43 @@ def save_checkpoint(out: Path, step: int, draft, optimizer, d: Dist, state: dict
     return final
 
 
-def load_checkpoint(ckpt: Path, draft, optimizer, d: Dist) -> None:
-    """Weights, optimizer moments and RNG states of a checkpoint into this (possibly sharded) run."""
+def _set_moments(draft, optimizer, flat: dict[str, torch.Tensor]) -> None:
+    """AdamW's moments and step counts, saved flat as "<param fqn>::<name>", into `optimizer`."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
-        set_model_state_dict,
         set_optimizer_state_dict,
     )
+
+    opts = StateDictOptions(full_state_dict=True)
+    optim = get_optimizer_state_dict(draft, optimizer, options=opts)
+    state: dict[str, dict] = {}
+    for key, value in flat.items():
+        fqn, name = key.rsplit("::", 1)
+        state.setdefault(fqn, {})[name] = value
+    set_optimizer_state_dict(
+        draft, optimizer, {"state": state, "param_groups": optim["param_groups"]}, options=opts
+    )
+
+
+def carry_moments(ckpt: Path, draft, optimizer) -> str:
+    """Continue a sitting's optimizer: the moments of a training checkpoint given as --init-draft, when it
+    holds them and the shapes match (a grown draft does not). Without them every sitting restarts AdamW
+    from zero, and held-out tau dips while the fresh moments settle. Returns what happened, for the log."""
+    path = ckpt / OPTIM_NAME
+    if not path.is_file():
+        return "fresh optimizer (no optimizer state beside --init-draft's weights)"
+    flat = load_file(str(path))
+    shapes = {n: tuple(p.shape) for n, p in draft.named_parameters()}
+    if any(shapes.get(k.rsplit("::", 1)[0]) not in (None, tuple(v.shape)) for k, v in flat.items() if v.ndim):
+        return "fresh optimizer (--init-draft's optimizer state has other shapes)"
+    _set_moments(draft, optimizer, flat)
+    return f"optimizer moments carried from {path}"
+
+
+def load_checkpoint(ckpt: Path, draft, optimizer, d: Dist) -> None:
+    """Weights, optimizer moments and RNG states of a checkpoint into this (possibly sharded) run."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True)
     try:
@@ -235,14 +276,7 @@ def load_checkpoint(ckpt: Path, draft, optimizer, d: Dist) -> None:
             f"checkpoint {ckpt} is damaged ({e}): delete it to resume from an older one"
         ) from None
     set_model_state_dict(draft, model, options=opts)
-    optim = get_optimizer_state_dict(draft, optimizer, options=opts)
-    state: dict[str, dict] = {}
-    for key, value in flat.items():
-        fqn, name = key.rsplit("::", 1)
-        state.setdefault(fqn, {})[name] = value
-    set_optimizer_state_dict(
-        draft, optimizer, {"state": state, "param_groups": optim["param_groups"]}, options=opts
-    )
+    _set_moments(draft, optimizer, flat)
     torch.set_rng_state(rng["torch"])
     cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
     if cuda and torch.cuda.is_available():
