@@ -5,6 +5,8 @@
         --sitting 1 --threads 2 --note "sharegpt corpus + regenerated gsm/code, 5 features"
     # the curve (campaign.png, in the model folder) and the table for MODEL_CARD.md
     python scripts/campaign.py plot --card checkpoints/smollm2-135m-instruct-dflash
+    # the shipped draft's lineage.json, rebuilt by replaying its sittings' data plans (see SITTINGS)
+    python scripts/campaign.py lineage --card checkpoints/smollm2-135m-instruct-dflash
 
 The log lives in docs/campaign/<the model folder's name>/ (`--log`), with each sitting's step metrics: a
 checkpoint folder holds the model (config, weights, card, plots), not campaign logs.
@@ -98,6 +100,81 @@ def plot(card: Path, log: Path) -> Path:
     return out
 
 
+D = "data/smollm2-135m-instruct"
+CORPUS_MIX = f"sharegpt:0.7,{D}/gsm-symbolic-s0-s1.npz:0.2,{D}/code-stdlib.npz:0.1"
+# The sittings that made the shipped SmolLM2 draft, oldest first, as the model card records their commands
+# (every one with --batch-tokens 2048 --max-len 1024 --epochs 30, no held-out records). They ran before the
+# trainer kept lineage.json; `lineage` replays each one's data plan (the plan is a pure function of the data,
+# the seed and these options) for as many steps as its metrics file logs.
+SITTINGS = [
+    (1, CORPUS_MIX, {"corpus_limit": 1000, "corpus_skip": 0, "block_size": 16, "seed": 0}),
+    (2, CORPUS_MIX, {"corpus_limit": 1000, "corpus_skip": 1000, "block_size": 16, "seed": 1}),
+    (4, CORPUS_MIX, {"corpus_limit": 1000, "corpus_skip": 3000, "block_size": 16, "seed": 3}),
+    (
+        5,
+        f"{D}/sharegpt-regen-bf16.npz:0.65,{D}/code-stdlib-regen-bf16.npz:0.15,{D}/gsm-symbolic-s0-s1.npz:0.2",
+        {"block_size": 16, "seed": 5},
+    ),
+    (
+        6,
+        f"{D}/sharegpt-regen-bf16.npz:0.28,{D}/sharegpt-regen-bf16-2.npz:0.16,{D}/sharegpt-regen-bf16-3.npz:0.21,"
+        f"{D}/code-stdlib-regen-bf16.npz:0.15,{D}/gsm-symbolic-s0-s1.npz:0.2",
+        {"block_size": 16, "seed": 6},
+    ),
+    (
+        10,
+        f"{D}/sharegpt-regen-bf16-4.npz:0.24,{D}/sharegpt-regen-bf16-5.npz:0.24,{D}/sharegpt-regen-bf16-6.npz:0.17,"
+        f"{D}/code-stdlib-regen-bf16.npz:0.15,{D}/gsm-symbolic-s0-s1.npz:0.2",
+        {"block_size": 8, "seed": 10},
+    ),
+]
+
+
+def lineage(card: Path, log: Path, target: str = "smollm2-135m-instruct") -> dict:
+    """The shipped draft's lineage, rebuilt: each sitting's plan replayed and its draws counted over the
+    steps it ran. Checked against the log: every replayed step has the number of sequences it logged."""
+    from flashdraft.models.load import load_target
+    from flashdraft.train import lineage as L
+    from flashdraft.train.config import TrainConfig
+    from flashdraft.train.data import plan_epochs, prepare_data
+
+    root = Path(__file__).resolve().parent.parent
+    tok = load_target(target, "float32", runner="transformers")
+    prior: dict = {}
+    for sitting, data, opts in SITTINGS:
+        cfg = TrainConfig(
+            target=target,
+            data=[x if x.startswith("sharegpt:") else str(root / x) for x in data.split(",")],
+            out="-",
+            eval_prompts=0,
+            batch_tokens=2048,
+            max_len=1024,
+            epochs=30,
+            **opts,
+        )
+        seqs, _, stats = prepare_data(cfg, tok.vocab_size, tok.tokenizer)
+        for s in stats["sources"]:
+            s["name"] = s["name"].removeprefix(str(root) + "/")
+        plans = plan_epochs(
+            [q.source for q in seqs], [q.ids.numel() for q in seqs], stats["weights"], cfg.seed, 30, 2048
+        )
+        logged = [m["sequences"] for m in read_rows(log / f"campaign-{sitting}-metrics.jsonl") if "loss" in m]
+        if not logged:
+            raise SystemExit(f"sitting {sitting}: no step metrics in {log}")
+        batches = [b for plan in plans for b in plan][: len(logged)]
+        if [len(b) for b in batches] != logged:
+            raise SystemExit(f"sitting {sitting}: the replayed plan does not match the logged batches")
+        draws = [0] * len(stats["sources"])
+        for b in batches:
+            for i in b:
+                draws[seqs[i].source] += 1
+        new = L.lineage_after(stats["sources"], draws, prior, 3.0)
+        prior = {x["key"]: x for x in new["sources"]}
+        print(f"sitting {sitting}: {len(batches)} steps replayed, the logged batch sizes matched", flush=True)
+    L.write_lineage(card, new)
+    return new
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -115,6 +192,11 @@ def main(argv=None) -> int:
     g.add_argument(
         "--log", type=Path, default=None, help="where campaign.jsonl is (docs/campaign/<card name>)"
     )
+    n = sub.add_parser("lineage")
+    n.add_argument("--card", type=Path, required=True, help="the model folder (lineage.json goes there)")
+    n.add_argument(
+        "--log", type=Path, default=None, help="where the sittings' metrics are (docs/campaign/<card name>)"
+    )
     args = p.parse_args(argv)
     log = log_dir(args.card, args.log)
     log.mkdir(parents=True, exist_ok=True)
@@ -123,6 +205,10 @@ def main(argv=None) -> int:
             print(
                 f"sitting {r['sitting']} step {r['step']}: {r['hours']:.2f} h, tau {r['tau']:.3f} {r['sets']}"
             )
+    elif args.cmd == "lineage":
+        from flashdraft.train.lineage import describe
+
+        print("\n".join(describe(lineage(args.card, log))))
     else:
         print(plot(args.card, log))
     return 0

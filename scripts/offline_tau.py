@@ -42,12 +42,24 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256, help="with --make-refs")
     p.add_argument("--draft", default="", help="comma-separated draft directories")
     p.add_argument("--real", action="store_true", help="also run the real greedy loop on the same prompts")
+    p.add_argument(
+        "--context-vocab",
+        action="store_true",
+        help="each request's own tokens join the draft vocabulary (DFlashProposer(context_vocab=True))",
+    )
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--runner",
+        default="transformers",
+        choices=["transformers", "auto"],
+        help="the target's model code: transformers (the campaign's yardstick since sitting 4: the features "
+        "the draft trains on) or auto (the native runner and its default weights, what serve runs)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    target = load_target(args.target, dtype, "cpu")
+    target = load_target(args.target, dtype, "cpu", runner=args.runner)
     if args.make_refs:
         prompts = {s: dataset_prompts(s, args.prompts, target.tokenizer) for s in args.sets.split(",") if s}
         t0 = time.perf_counter()
@@ -60,7 +72,7 @@ def main(argv=None) -> int:
     for path in (d for d in args.draft.split(",") if d):
         draft = DFlashDraft.from_pretrained(path, dtype=target.dtype)
         t0 = time.perf_counter()
-        est = offline_tau(draft, target, refs)
+        est = offline_tau(draft, target, refs, args.context_vocab)
         est["offline_s"] = round(time.perf_counter() - t0, 1)
         if args.real:
             sets: dict[str, list[list[int]]] = {}

@@ -22,6 +22,27 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "a row's context tokens open in every row of the batch",
+        "flashdraft/models/draft.py",
+        "add.masked_fill(~mine, float(\"-inf\"))",
+        "add",
+        "tests/test_draft_vocab.py::test_a_rows_context_joins_its_vocabulary_and_only_its_own",
+    ),
+    (
+        "the context vocabulary keeps the prompt's tokens only, not the committed ones",
+        "flashdraft/engine/proposers.py",
+        "            extra |= {t for t in r.tokens[max(seen, 0) :] if t not in self._vocab_set}\n",
+        "",
+        "tests/test_acceptance.py::test_offline_walk_with_the_context_vocabulary_is_the_real_loop",
+    ),
+    (
+        "the offline walk's context includes the token after the anchor",
+        "flashdraft/bench/acceptance.py",
+        "context = [ids[: p + 1] for p in part.tolist()]",
+        "context = [ids[: p + 2] for p in part.tolist()]",
+        "tests/test_acceptance.py::test_offline_walk_with_the_context_vocabulary_is_the_real_loop",
+    ),
+    (
         "datagen continues a file with another model's answers",
         "flashdraft/train/datagen.py",
         'bad.append(("--runner / --quantize", "weights"))',
@@ -31,8 +52,8 @@ BUGS = [
     (
         "a checkpoint as --init-draft starts its optimizer afresh",
         "flashdraft/train/state.py",
-        "    _set_moments(draft, optimizer, flat)\n    return f\"optimizer moments carried",
-        "    return f\"optimizer moments carried",
+        '    _set_moments(draft, optimizer, flat)\n    return f"optimizer moments carried',
+        '    return f"optimizer moments carried',
         "tests/test_lineage.py::test_a_checkpoint_as_init_draft_carries_its_optimizer_moments",
     ),
     (

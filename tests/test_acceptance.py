@@ -63,3 +63,25 @@ def test_greedy_references_are_plain_greedy_decoding(setup):
             assert r["prompt_ids"] == p and r["response_ids"] == alone.tokens
     finally:
         gen_cfg.eos_token_id = old
+
+
+def test_offline_walk_with_the_context_vocabulary_is_the_real_loop():
+    """A 16-token target, a draft vocabulary of 4 of them, each request's own tokens joining it (prompts of
+    6 tokens, so the context grows as the answer brings new ones): the offline walk (the tokens up to each
+    anchor) commits what the real loop with DFlashProposer(context_vocab=True) commits, step for step."""
+    target = Target(make_hf_model("qwen3", vocab=16, layers=4, seed=3))
+    draft = make_draft(target.model, layers=2, block_size=5, mask_token_id=15)
+    draft.set_vocab([0, 1, 2, 3], target.lm_head.weight)
+    g = torch.Generator().manual_seed(4)
+    plain, joined = [], []
+    for i in range(8):
+        prompt = torch.randint(0, 6, (3 + i,), generator=g).tolist()
+        cfg = GenerationConfig(max_new_tokens=40, block_size=5, stop_ids=[])
+        proposer = DFlashProposer(draft, target, proposal="greedy", context_vocab=True)
+        res = generate(target, prompt, proposer, cfg)
+        assert walk(acceptance_lengths(draft, target, prompt, res.tokens, context_vocab=True)) == (
+            res.acceptance_lengths
+        )
+        joined += res.acceptance_lengths
+        plain += walk(acceptance_lengths(draft, target, prompt, res.tokens))
+    assert joined != plain  # the context's tokens changed what got accepted: the test can see them

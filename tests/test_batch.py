@@ -69,8 +69,8 @@ class RecordingDFlash(DFlashProposer):
     """Records every block it drafts and the logits it drafted from, per request (`generate` runs its one
     request as "0")."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
         self.drafted = collections.defaultdict(list)
         self.logits = collections.defaultdict(list)
         self.qs = []
@@ -502,26 +502,29 @@ def test_padding_equal_to_the_true_next_token_is_never_accepted(tiny_llama):
     assert seen["0"]["tokens"] == truths["0"] and seen["1"]["tokens"] == truths["1"]
 
 
-@pytest.mark.parametrize("option", [*DRAFT_OPTIONS, "draft_vocab"])
+@pytest.mark.parametrize("option", [*DRAFT_OPTIONS, "draft_vocab", "context_vocab"])
 def test_draft_options_batched_equal_single_row(tiny_llama, option):
     """A draft with each config option on (conftest.DRAFT_OPTIONS: embedding scale, logit multiplier and
     softcap, norm eps, rotary settings, a sliding-window layer of window 3 (shorter than its block), three
     target features) or a draft vocabulary runs in batches of rows of mixed lengths: every row drafts
     exactly the blocks and logits it drafts alone, and outputs stay plain greedy. The option must matter:
     the plain draft (the same weights otherwise) drafts other logits."""
-    if option == "draft_vocab":
+    kw = {"context_vocab": True} if option == "context_vocab" else {}  # each row's own tokens join
+    if option in ("draft_vocab", "context_vocab"):
         draft = make_draft(tiny_llama.model, block_size=4)
         draft.set_vocab(list(range(1, 128, 2)))
     else:
         draft = make_draft(tiny_llama.model, block_size=4, option=option)
     plain_draft = make_draft(tiny_llama.model, block_size=4)
+    if option == "context_vocab":  # the comparison: the same vocabulary without the rows' context
+        plain_draft = draft
     rng = random.Random(11)
     prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 15))] for _ in range(5)]
     configs = [GenerationConfig(rng.randint(5, 20)) for _ in prompts]
     alone, alone_logits, plain_logits = [], [], []
     for p, c in zip(prompts, configs, strict=True):
         for d, blocks, logits in ((draft, alone, alone_logits), (plain_draft, None, plain_logits)):
-            single = RecordingDFlash(d, tiny_llama)
+            single = RecordingDFlash(d, tiny_llama, **(kw if blocks is not None else {}))
             res = generate(tiny_llama, p, single, c)
             assert res.tokens == generate(tiny_llama, p, None, c).tokens
             if blocks is not None:
@@ -532,7 +535,7 @@ def test_draft_options_batched_equal_single_row(tiny_llama, option):
         for xs, ys in zip(alone_logits, plain_logits, strict=True)
         for x, y in zip(xs, ys, strict=False)
     ), f"{option} changed no drafted logit: the test cannot see it"
-    batched = RecordingDFlash(draft, tiny_llama)
+    batched = RecordingDFlash(draft, tiny_llama, **kw)
     seen = run_decoder(Engine(tiny_llama, proposer=batched, max_batch_size=3), prompts, configs)
     for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
         assert seen[str(i)]["tokens"] == generate(tiny_llama, p, None, c).tokens

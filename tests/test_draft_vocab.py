@@ -60,6 +60,21 @@ def test_propose_logits_are_the_full_logits_on_the_vocabulary_and_minus_inf_else
     torch.testing.assert_close(draft.propose_logits(hidden, target.lm_head), full, rtol=0, atol=1e-12)
 
 
+def test_a_rows_context_joins_its_vocabulary_and_only_its_own():
+    model = make_hf_model("qwen3")
+    target = engine_target(model)
+    draft = make_draft(model)
+    hidden = torch.randn(2, 6, 64, dtype=torch.float64)[:, 1:]
+    full = draft.logits(hidden, target.lm_head)
+    draft.set_vocab([90, 3, 17, 64])
+    sub = draft.propose_logits(hidden, target.lm_head, [torch.tensor([5, 90, 7]), torch.tensor([11, 3])])
+    for row, own in ((0, [3, 5, 7, 17, 64, 90]), (1, [3, 11, 17, 64, 90])):
+        inside = torch.zeros(128, dtype=torch.bool)
+        inside[own] = True
+        torch.testing.assert_close(sub[row][:, inside], full[row][:, inside], rtol=0, atol=1e-12)
+        assert torch.isneginf(sub[row][:, ~inside]).all()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_with_a_draft_vocabulary_equals_plain_decoding(arch):
     model = make_hf_model(arch)
@@ -76,6 +91,11 @@ def test_greedy_with_a_draft_vocabulary_equals_plain_decoding(arch):
     assert spec == plain
     assert spy.drafted and set(spy.drafted) <= set(vocab.tolist())
     assert [r.tokens for r in generate_batch(target, prompts, draft, cfg)] == plain
+    # Each request's own tokens join the vocabulary: it then drafts some of them, and stays exact.
+    spy = Spy(draft, target, context_vocab=True)
+    assert [generate(target, p, spy, cfg).tokens for p in prompts] == plain
+    outside = set(spy.drafted) - set(vocab.tolist())
+    assert outside and outside <= {t for p, out in zip(prompts, plain, strict=True) for t in p + out}
 
 
 def test_sampling_with_a_draft_vocabulary_is_exact():

@@ -62,13 +62,15 @@ def acceptance_lengths(
     prompt_ids: Sequence[int],
     response_ids: Sequence[int],
     chunk: int = 64,
+    context_vocab: bool = False,
 ) -> torch.Tensor:
     """The tokens the verifier would commit with the anchor at each response position p (all but the
     last): 1 + the drafted tokens of p+1..p+B-1 that match the reference before the first miss, capped
     by what is left of the reference (as the loop caps by its remaining room).
 
     The anchor at p sees target features of positions < p, exactly the training layout (whose equality
-    with the inference forward is tested). Anchors go through the draft `chunk` at a time."""
+    with the inference forward is tested). Anchors go through the draft `chunk` at a time. `context_vocab`:
+    the tokens up to each anchor join the draft vocabulary, as `DFlashProposer(context_vocab=True)` does."""
     b = draft.config.block_size
     ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
     n_prompt, n = len(prompt_ids), ids.numel()
@@ -84,9 +86,9 @@ def acceptance_lengths(
         if feats is None:
             feats = target_features(target, batch, draft.config.target_layer_ids)
         hidden = draft_hidden(draft, target, batch, draft.fc.weight.dtype, feats)
-        guess = (
-            draft.propose_logits(hidden.to(target.dtype), target.lm_head).argmax(-1).view(-1, b)[:, 1:].cpu()
-        )
+        context = [ids[: p + 1] for p in part.tolist()] if context_vocab and draft.vocab is not None else None
+        logits = draft.propose_logits(hidden.to(target.dtype).view(len(part), b, -1), target.lm_head, context)
+        guess = logits.argmax(-1)[:, 1:].cpu()
         pos = part[:, None] + torch.arange(1, b)  # the positions each block drafts
         hit = (guess == ids[pos.clamp(max=n - 1)]) & (pos < n)
         accepted = torch.cumprod(hit.long(), dim=1).sum(1)
@@ -112,14 +114,18 @@ def position_acceptance(lengths: Sequence[int], block_size: int) -> list[float]:
     return [sum(n > k for n in lengths) / len(lengths) if lengths else float("nan") for k in range(1, top)]
 
 
-def offline_tau(draft: DFlashDraft, target: Target, references: list[dict]) -> dict:
+def offline_tau(
+    draft: DFlashDraft, target: Target, references: list[dict], context_vocab: bool = False
+) -> dict:
     """Per set and pooled: "tau", the real greedy loop's tau on these references (committed tokens per
     step, by walking the anchors it would visit), "tau_all", the mean over every anchor, and
     "position_acceptance" of the walked steps (`position_acceptance`)."""
     walked: dict[str, list[int]] = {}
     every: dict[str, list[torch.Tensor]] = {}
     for r in references:
-        lengths = acceptance_lengths(draft, target, r["prompt_ids"], r["response_ids"])
+        lengths = acceptance_lengths(
+            draft, target, r["prompt_ids"], r["response_ids"], context_vocab=context_vocab
+        )
         name = r.get("set", "all")
         walked.setdefault(name, []).extend(walk(lengths))
         every.setdefault(name, []).append(lengths.double())

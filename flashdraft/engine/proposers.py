@@ -101,12 +101,18 @@ class DFlashProposer(Proposer):
     Both are exact; they differ in how much they accept (see README, "Sampling").
     """
 
-    def __init__(self, draft: DFlashDraft, target: Target, proposal: str = "draft"):
+    def __init__(
+        self, draft: DFlashDraft, target: Target, proposal: str = "draft", context_vocab: bool = False
+    ):
         if proposal not in ("draft", "greedy"):
             raise ValueError(f"proposal must be 'draft' or 'greedy', got {proposal!r}")
         draft.check_target(target)
         self.feature_layers = list(draft.config.target_layer_ids)
         self.draft, self.target, self.proposal = draft, target, proposal
+        # With a draft vocabulary: each request's own tokens join its rows of the head (propose_logits).
+        self.context_vocab = context_vocab and draft.vocab is not None
+        self._vocab_set = set(draft.vocab.tolist()) if self.context_vocab else set()
+        self._context: dict[str, tuple[int, set[int]]] = {}
         self.block_size = draft.config.block_size
         self.mask_id = draft.config.mask_token_id
         self.embed_scale = float(draft.config.extra.get("input_embedding_scale", 1.0))
@@ -116,12 +122,26 @@ class DFlashProposer(Proposer):
         self.reset()
 
     def reset(self):
+        self._context = {}
         self.cache = self.draft.new_cache()
         self.kpos: torch.Tensor | None = (
             None  # (B, S) slot positions; None while every slot i holds position i
         )
         self.pending: list[tuple[int, torch.Tensor]] = []  # per row: (first position, features)
         self.aligned = True  # also the pending context: every row's starts at the same position, same length
+
+    def _contexts(self, rows) -> list[torch.Tensor]:
+        """Per row, its request's tokens (prompt and committed) outside the draft vocabulary, updated with
+        the tokens committed since the last call."""
+        kept = {}
+        for r in rows:
+            seen, extra = self._context.get(r.request_id, (-1, set()))
+            if seen < 0:
+                extra = {t for t in r.prompt if t not in self._vocab_set}
+            extra |= {t for t in r.tokens[max(seen, 0) :] if t not in self._vocab_set}
+            kept[r.request_id] = (len(r.tokens), extra)
+        self._context = kept
+        return [torch.tensor(sorted(kept[r.request_id][1]), dtype=torch.long) for r in rows]
 
     def slot_positions(self) -> torch.Tensor:
         """(B, S): the position every slot of the draft's context cache holds for its row (DEAD: nothing)."""
@@ -205,7 +225,8 @@ class DFlashProposer(Proposer):
         if not self.aligned:  # aligned context stays aligned in the cache, whatever the block's mask was
             self.kpos = kpos[:, : self.cache.length]
         self.pending = [(r.anchor, ctx.new_zeros(0, ctx.shape[2])) for r in rows]  # next: committed tokens
-        logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head)
+        context = self._contexts(rows) if self.context_vocab else None
+        logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head, context)
         self.last_logits = logits  # (B, k_max, V), for inspection (tests compare them across batch sizes)
         greedy = logits.argmax(-1)
         out = []

@@ -517,10 +517,17 @@ class DFlashDraft(nn.Module):
                 )
         self.vocab, self.vocab_rows, self._vocab_head = ids, rows, None
 
-    def propose_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def propose_logits(
+        self, hidden: torch.Tensor, lm_head: nn.Module, context: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Logits over the whole vocabulary for proposing: with a draft vocabulary, only its rows of the
         LM head are computed (the head dominates the draft's cost) and every other token gets -inf, so
         its proposal probability q is 0 and the verifier stays exact.
+
+        `context`: per leading row of `hidden`, the token ids of that row's request so far. They join the
+        row's vocabulary: a name or identifier the prompt contains can be proposed even when the draft
+        vocabulary lacks it (most of the target's tokens outside a draft vocabulary occur in the request's
+        own context).
 
         The head runs on a 2D view: torch counts a (1, n, H) slice of a longer block as contiguous but
         does not fold it into one GEMM, and bf16 then copies the whole head on every call (measured 7 ms
@@ -543,7 +550,28 @@ class DFlashDraft(nn.Module):
         _, w, b, rows = self._vocab_head
         sub = self.logits(hidden, lambda h: F.linear(h.to(w.dtype), w, b))
         full = sub.new_full((sub.shape[0], weight.shape[0]), float("-inf"))
-        return full.index_copy_(-1, rows, sub).view(*lead, -1)
+        full.index_copy_(-1, rows, sub)
+        if context is not None:
+            self._context_logits(full, hidden, lm_head, context)
+        return full.view(*lead, -1)
+
+    def _context_logits(
+        self, full: torch.Tensor, hidden: torch.Tensor, lm_head: nn.Module, context: list[torch.Tensor]
+    ) -> None:
+        """Fill in `full` (N, V) the logits of each row's context tokens outside the draft vocabulary: one
+        small GEMM over the union of them, then -inf where a token is not in that row's own context."""
+        vocab = self.vocab.to(full.device)
+        extra = [c[~torch.isin(c, vocab)] for c in (torch.as_tensor(c, device=full.device) for c in context)]
+        union = torch.unique(torch.cat(extra)) if extra else vocab[:0]
+        if union.numel() == 0:
+            return
+        w = lm_head.weight.detach()[union]
+        bias = getattr(lm_head, "bias", None)
+        b = None if bias is None else bias.detach()[union]
+        add = self.logits(hidden, lambda h: F.linear(h.to(w.dtype), w, b))
+        mine = torch.stack([torch.isin(union, e) for e in extra])  # (rows, |union|)
+        mine = mine.repeat_interleave(full.shape[0] // len(context), dim=0)
+        full.index_copy_(-1, union, add.masked_fill(~mine, float("-inf")))
 
     # -- checkpoint format ------------------------------------------------------------------
 
