@@ -24,7 +24,7 @@ BUGS = [
     (
         "a row's context tokens open in every row of the batch",
         "flashdraft/models/draft.py",
-        "add.masked_fill(~mine, float(\"-inf\"))",
+        'add.masked_fill(~mine, float("-inf"))',
         "add",
         "tests/test_draft_vocab.py::test_a_rows_context_joins_its_vocabulary_and_only_its_own",
     ),
