@@ -80,9 +80,9 @@ class DatagenConfig:
     endpoint: str | None = None
     model: str | None = None  # the model name sent to the endpoint (default: the target name)
     dtype: str = "auto"
-    # The local target's model code and weights. transformers by default: batched datagen (64 rows, prompts
-    # up to 512 tokens) ran at 172 tokens/s there against 81-85 on the native runner (int8 or dense bf16),
-    # whose prefill of many joining rows is slow; pass --runner auto to answer with the serving weights.
+    # The local target's model code and weights. transformers by default: batched datagen (64 rows) ran at
+    # 166-177 tokens/s there against 73-86 on the native runner (int8 or dense bf16), whose prefill of many
+    # joining rows is slow (docs/speed.md); --runner auto answers with the serving weights.
     runner: str = "transformers"
     quantize: str = "auto"
     device: str = "auto"  # where the local target runs: auto (CUDA when present), cpu or cuda[:N]
