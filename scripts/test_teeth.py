@@ -22,6 +22,20 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "a grown draft's new layers start random (their output projections not zeroed)",
+        "flashdraft/models/draft.py",
+        "            layer.mlp.down_proj.weight.zero_()\n",
+        "",
+        "tests/test_sittings.py::test_a_grown_draft_proposes_exactly_what_it_grew_from",
+    ),
+    (
+        "--grow-to ignored by the trainer",
+        "flashdraft/train/loop.py",
+        "            start_from = start_from.grown(cfg.grow_to)",
+        "            start_from = start_from",
+        "tests/test_sittings.py::test_train_grow_to_continues_a_draft_with_more_layers",
+    ),
+    (
         "a row's context tokens open in every row of the batch",
         "flashdraft/models/draft.py",
         'add.masked_fill(~mine, float("-inf"))',
@@ -54,21 +68,21 @@ BUGS = [
         "flashdraft/train/state.py",
         '    _set_moments(draft, optimizer, flat)\n    return f"optimizer moments carried',
         '    return f"optimizer moments carried',
-        "tests/test_lineage.py::test_a_checkpoint_as_init_draft_carries_its_optimizer_moments",
+        "tests/test_sittings.py::test_a_checkpoint_as_init_draft_carries_its_optimizer_moments",
     ),
     (
         "the view budget ignored when planning epochs",
         "flashdraft/train/data.py",
         "                if left[sources[i]] > 0:",
         "                if True:",
-        "tests/test_lineage.py",
+        "tests/test_sittings.py",
     ),
     (
         "the lineage forgets what --init-draft's ancestors read",
         "flashdraft/train/lineage.py",
         "    merged = {k: dict(v) for k, v in prior.items()}",
         "    merged = {}",
-        "tests/test_lineage.py::test_the_budget_holds_across_sittings",
+        "tests/test_sittings.py::test_the_budget_holds_across_sittings",
     ),
     (
         "position acceptance counts the steps that reached position k, not those that accepted it",

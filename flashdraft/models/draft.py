@@ -635,6 +635,28 @@ class DFlashDraft(nn.Module):
             model.set_vocab(ids, rows)
         return model.to(device=device, dtype=dtype).eval()
 
+    @torch.no_grad()
+    def grown(self, layers: int) -> DFlashDraft:
+        """This draft with `layers` layers: its own first, then new full-attention layers whose output
+        projections (attention's o_proj, the MLP's down_proj) start at zero. A new layer then adds nothing
+        to the residual stream, so the grown draft proposes exactly what this one does until training
+        moves it; after the first step gradients reach the rest of the new layer through them."""
+        n = self.config.num_hidden_layers
+        if layers < n:
+            raise DraftError(f"a draft grows, it does not shrink: it has {n} layers, asked for {layers}")
+        cfg = self.config.replace(
+            num_hidden_layers=layers,
+            layer_types=[*self.config.layer_types, *["full_attention"] * (layers - n)],
+        )
+        p = next(self.parameters())
+        grown = DFlashDraft(cfg).to(device=p.device, dtype=p.dtype)
+        grown.load_state_dict(grown.state_dict() | self.state_dict())
+        for layer in grown.layers[n:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        grown.vocab, grown.vocab_rows = self.vocab, self.vocab_rows
+        return grown
+
     def check_target(self, target) -> None:
         """Raise DraftError when this draft cannot run with `target` (a `flashdraft.models.target.Target`)."""
         c = self.config

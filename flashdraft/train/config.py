@@ -83,6 +83,8 @@ class TrainConfig:
     # Each source is drawn at most this many times over the draft's whole lineage (train.lineage): a draft
     # that reads a small data set again and again memorises it (loss falls, held-out tau stands). 0: no cap.
     max_views: float = 3.0
+    # With init_draft: grow it to this many layers (DFlashDraft.grown: new layers start as the identity).
+    grow_to: int | None = None
     chat_template_kwargs: dict | None = None  # chat template options for corpora and evaluation prompts
     resume: bool = False
     progress: bool = True
@@ -122,6 +124,7 @@ RUN_FIELDS = (
     "init_draft",
     "chat_template_kwargs",
     "max_views",
+    "grow_to",
 )
 
 
@@ -200,6 +203,8 @@ def check_config(cfg: TrainConfig) -> None:
             problems.append(str(e))
     if any(weighted) and not all(weighted):
         problems.append("--data: give every item a mixing weight (sharegpt:0.7,x.npz:0.3) or none")
+    if cfg.grow_to is not None and cfg.init_draft is None:
+        problems.append("--grow-to grows the draft of --init-draft: pass one (a new draft takes --layers)")
     if cfg.max_views < 0:
         problems.append(f"--max-views must be >= 0 (0: no cap), got {cfg.max_views}")
     if cfg.corpus_skip < 0:

@@ -381,6 +381,11 @@ def _draft_config(run: Run):
     dcfg = init_draft_config(
         target.model.config, cfg.layers, mask_id, cfg.block_size, cfg.target_layer_ids, cfg.num_features
     )
+    if start_from is not None and cfg.grow_to:
+        try:
+            start_from = start_from.grown(cfg.grow_to)
+        except DraftError as e:
+            raise TrainError(f"--grow-to {cfg.grow_to}: {e}") from None
     if start_from is not None:  # its shape wins: layers, target layers and mask id come with the weights
         dcfg = start_from.config.replace(block_size=cfg.block_size)
     return dcfg, start_from
@@ -763,6 +768,13 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="start from this draft directory's weights; a training checkpoint (OUT/checkpoints/step-N) "
         "also carries its optimizer moments (the schedule starts afresh: consider --warmup 0)",
+    )
+    p.add_argument(
+        "--grow-to",
+        type=int,
+        default=None,
+        help="with --init-draft: grow that draft to this many layers, the new ones starting as the identity "
+        "(zero output projections), so training starts from its exact proposals",
     )
     p.add_argument(
         "--max-views",

@@ -256,8 +256,9 @@ def carry_moments(ckpt: Path, draft, optimizer) -> str:
         return "fresh optimizer (no optimizer state beside --init-draft's weights)"
     flat = load_file(str(path))
     shapes = {n: tuple(p.shape) for n, p in draft.named_parameters()}
-    if any(shapes.get(k.rsplit("::", 1)[0]) not in (None, tuple(v.shape)) for k, v in flat.items() if v.ndim):
-        return "fresh optimizer (--init-draft's optimizer state has other shapes)"
+    saved = {k.rsplit("::", 1)[0]: tuple(v.shape) for k, v in flat.items() if k.endswith("::exp_avg")}
+    if saved != shapes:
+        return "fresh optimizer (--init-draft's optimizer state is for other parameters: a grown draft?)"
     _set_moments(draft, optimizer, flat)
     return f"optimizer moments carried from {path}"
 

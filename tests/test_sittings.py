@@ -1,10 +1,12 @@
-"""The view budget (`flashdraft.train.lineage`): a draft's lineage draws each data source at most
---max-views times, across sittings (--init-draft), and says so in its lineage.json."""
+"""Continuing a draft across sittings (--init-draft): the view budget (`flashdraft.train.lineage`: a
+draft's lineage draws each data source at most --max-views times, and says so in its lineage.json), the
+optimizer moments a checkpoint carries, and growing a draft by layers that start as the identity."""
 
 import json
 
 import pytest
 import torch
+from conftest import make_draft, make_hf_model
 from test_train import config, files, write_data  # noqa: F401  (fixture)
 
 from flashdraft.train import data as TD
@@ -97,3 +99,38 @@ def test_a_checkpoint_as_init_draft_carries_its_optimizer_moments(files, tmp_pat
         for n, st in carried.items()
     )
     assert moments(tmp_path / "s1" / "draft") == {}
+
+
+def test_a_grown_draft_proposes_exactly_what_it_grew_from():
+    """Two layers grown to four: the same hidden states to the last bit (float64), the old weights kept,
+    the new layers' output projections zero; training then moves them (a step's gradient reaches them)."""
+    model = make_hf_model("llama")
+    small = make_draft(model, layers=2, block_size=4).double()
+    big = small.grown(4)
+    assert big.config.num_hidden_layers == 4 and len(big.layers) == 4
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(2, 4, 64, generator=g, dtype=torch.float64)
+    ctx = torch.randn(2, 5, small.fc.in_features, generator=g, dtype=torch.float64)
+    pos, ctx_pos = torch.arange(5, 9).expand(2, -1), torch.arange(5).expand(2, -1)
+    with torch.no_grad():
+        assert torch.equal(big(embeds, pos, ctx, ctx_pos), small(embeds, pos, ctx, ctx_pos))
+    for name, p in small.state_dict().items():
+        assert torch.equal(big.state_dict()[name], p), name
+    big(embeds, pos, ctx, ctx_pos).square().sum().backward()
+    assert big.layers[3].mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(Exception, match="grows, it does not shrink"):
+        big.grown(3)
+
+
+def test_train_grow_to_continues_a_draft_with_more_layers(files, tmp_path):  # noqa: F811
+    T.train(config(files, tmp_path / "s1", max_steps=2))
+    summary = T.train(
+        config(files, tmp_path / "s2", init_draft=str(tmp_path / "s1" / "draft"), grow_to=3, max_steps=2)
+    )
+    from flashdraft import DFlashDraft
+
+    grown = DFlashDraft.from_pretrained(tmp_path / "s2" / "draft")
+    assert grown.config.num_hidden_layers == 3 and summary["steps"] == 2
+    assert grown.layers[2].mlp.down_proj.weight.abs().sum() > 0  # trained away from zero
+    with pytest.raises(TrainError, match="--grow-to grows the draft of --init-draft"):
+        T.train(config(files, tmp_path / "s3", grow_to=3))
