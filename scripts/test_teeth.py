@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "--decay's schedule decays from the warmup on (no stable phase)",
+        "flashdraft/train/loop.py",
+        "        return lr * min(1.0, max(0.0, (total - step) / n_decay))",
+        "        return lr * max(0.0, (total - step) / max(1, total - n_warm))",
+        "tests/test_train.py::test_lr_schedule",
+    ),
+    (
         "a grown draft's new layers start random (their output projections not zeroed)",
         "flashdraft/models/draft.py",
         "            layer.mlp.down_proj.weight.zero_()\n",

@@ -173,6 +173,10 @@ def test_lr_schedule():
     assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))
     assert lrs[-1] < 0.01
+    # warmup-stable-decay: flat after the warmup, then linear to 0 over the last 20 steps
+    wsd = [T.lr_at(s, 100, 1.0, 0.04, decay=0.2) for s in range(101)]
+    assert wsd[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and set(wsd[4:81]) == {1.0}
+    assert wsd[80:] == pytest.approx([(100 - s) / 20 for s in range(80, 101)])
 
 
 # -- training forward == inference forward ----------------------------------------------------

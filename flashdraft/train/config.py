@@ -45,6 +45,7 @@ class TrainConfig:
     epochs: int = 6
     lr: float = 6e-4
     warmup: float = 0.04  # fraction of the steps
+    decay: float | None = None  # None: cosine after the warmup; a fraction: constant, then a linear decay
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     max_len: int = 3072
@@ -107,6 +108,7 @@ RUN_FIELDS = (
     "epochs",
     "lr",
     "warmup",
+    "decay",
     "weight_decay",
     "grad_clip",
     "max_len",
@@ -182,6 +184,8 @@ def check_config(cfg: TrainConfig) -> None:
             problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         problems.append(f"--max-steps must be >= 1, got {cfg.max_steps}")
+    if cfg.decay is not None and not 0 < cfg.decay <= 1:
+        problems.append(f"--decay is a fraction of the steps in (0, 1], got {cfg.decay}")
     if not 0 <= cfg.warmup < 1:
         problems.append(f"--warmup is a fraction of the steps in [0, 1), got {cfg.warmup}")
     if not cfg.lr > 0:

@@ -122,11 +122,17 @@ def init_from_target(draft: DFlashDraft, target: Target) -> str:
     return f"draft layers <- target layers {big - n}..{big - 1}, fc <- identity on target layer {ids[j]}"
 
 
-def lr_at(step: int, total: int, lr: float, warmup: float) -> float:
-    """Linear warmup over `warmup` x total steps, then cosine decay to 0 at `total`."""
+def lr_at(step: int, total: int, lr: float, warmup: float, decay: float | None = None) -> float:
+    """Linear warmup over `warmup` x total steps, then cosine decay to 0 at `total`; or, with `decay` (a
+    fraction), constant after the warmup and a linear decay to 0 over the last `decay` x total steps (the
+    warmup-stable-decay schedule: a campaign continues from a checkpoint before the decay, its optimizer
+    moments with it, instead of restarting warmup and cosine every sitting)."""
     n_warm = max(1, round(warmup * total)) if warmup > 0 else 0
     if step < n_warm:
         return lr * (step + 1) / n_warm
+    if decay is not None:
+        n_decay = max(1, round(decay * total))
+        return lr * min(1.0, max(0.0, (total - step) / n_decay))
     progress = (step - n_warm) / max(1, total - n_warm)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
@@ -643,7 +649,7 @@ def _loop(run: Run, start: int) -> tuple[int, float]:
             t0 = time.perf_counter()
             # With --max-minutes the schedule runs on time: it ends where the budget does.
             at = step if budget is None else max(step, int(total * busy_s / budget))
-            lr = lr_at(at, total, cfg.lr, cfg.warmup)
+            lr = lr_at(at, total, cfg.lr, cfg.warmup, cfg.decay)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
             loss, grad_norm, n_blocks = _step(run, step, epoch, plan[j])
@@ -808,6 +814,13 @@ def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup", type=float, default=d.warmup, help="warmup fraction of the steps")
+    p.add_argument(
+        "--decay",
+        type=float,
+        default=d.decay,
+        help="constant learning rate after the warmup, then a linear decay to 0 over this last fraction of "
+        "the steps (or of --max-minutes) instead of the cosine",
+    )
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--grad-clip", type=float, default=d.grad_clip)
     p.add_argument("--max-len", type=int, default=d.max_len, help="truncate sequences to this many tokens")
