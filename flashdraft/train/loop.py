@@ -350,6 +350,11 @@ def _plan(run: Run) -> None:
             f"({LINEAGE_NAME} of --init-draft): train on fresh data (flashdraft datagen, another corpus "
             "slice) or raise --max-views"
         )
+    spent = [s["name"] for s, n in zip(sources, allowed or [], strict=False) if n == 0]
+    if spent:
+        run.log(
+            f"view budget: skipping what the lineage read --max-views {cfg.max_views} times: {', '.join(spent)}"
+        )
     run.plans = plan_epochs(
         [q.source for q in seqs],
         [q.ids.numel() for q in seqs],
