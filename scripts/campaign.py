@@ -38,6 +38,8 @@ def add(card: Path, log: Path, run: Path, sitting: int, threads: int, note: str)
     rows = [r for r in read_rows(log) if r["sitting"] != sitting]
     before = max((r["hours"] for r in rows), default=0.0)
     busy, out = 0.0, []
+    lineage = run / "draft" / "lineage.json"
+    unique = unique_tokens(json.loads(lineage.read_text())) if lineage.is_file() else None
     for m in read_rows(run / "metrics.jsonl"):
         if "loss" in m:
             busy += m["blocks"] / m["blocks_per_s"] / 3600
@@ -54,6 +56,7 @@ def add(card: Path, log: Path, run: Path, sitting: int, threads: int, note: str)
                     "tokens": m.get("eval_tokens"),
                     # "offline": the walk over committed references (--eval-refs); "loop": the real decode loop
                     "protocol": "offline" if "anchors" in m else "loop",
+                    "unique_tokens": unique,  # distinct response tokens of the draft's lineage at its end
                     "note": note,
                 }
             )
@@ -69,7 +72,7 @@ def plot(card: Path, log: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_rows(log / "campaign.jsonl")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 2]})
     sets = sorted({s for r in rows for s in r["sets"]})
     colours = {name: f"C{i}" for i, name in enumerate(sets)}
     styles = {
@@ -94,10 +97,36 @@ def plot(card: Path, log: Path) -> Path:
     ax.set_title("DFlash draft for SmolLM2-135M-Instruct: the campaign so far")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    _plot_tokens(ax2, rows, log)
     out = card / "campaign.png"
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return out
+
+
+def _plot_tokens(ax, rows: list[dict], log: Path) -> None:
+    """Each sitting's last held-out tau against the distinct response tokens its lineage had read by then
+    (the row's own count, else `lineage`'s replay of the shipped draft's sittings)."""
+    replay = log / "lineage-by-sitting.json"
+    known = {int(k): v for k, v in json.loads(replay.read_text()).items()} if replay.is_file() else {}
+    for protocol, mark in (("loop", "o"), ("offline", "s")):
+        pts = []
+        for s in sorted({r["sitting"] for r in rows}):
+            last = [r for r in rows if r["sitting"] == s][-1]
+            tokens = last.get("unique_tokens") or known.get(s)
+            if tokens and last.get("protocol", "loop") == protocol:
+                pts.append((tokens, last["tau"], s))
+        for x, y, s in pts:
+            ax.annotate(str(s), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        if pts:
+            ax.plot(
+                [p[0] for p in pts], [p[1] for p in pts], mark, color="k", label=f"{protocol} (sitting no.)"
+            )
+    ax.set_xscale("log")
+    ax.set(xlabel="distinct response tokens read by the lineage", ylabel="held-out tau at the sitting's end")
+    ax.set_title("tau against data", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
 
 
 D = "data/smollm2-135m-instruct"
@@ -141,6 +170,7 @@ def lineage(card: Path, log: Path, target: str = "smollm2-135m-instruct") -> dic
     root = Path(__file__).resolve().parent.parent
     tok = load_target(target, "float32", runner="transformers")
     prior: dict = {}
+    by_sitting: dict[int, int] = {}
     for sitting, data, opts in SITTINGS:
         cfg = TrainConfig(
             target=target,
@@ -170,9 +200,16 @@ def lineage(card: Path, log: Path, target: str = "smollm2-135m-instruct") -> dic
                 draws[seqs[i].source] += 1
         new = L.lineage_after(stats["sources"], draws, prior, 3.0)
         prior = {x["key"]: x for x in new["sources"]}
+        by_sitting[sitting] = unique_tokens(new)
         print(f"sitting {sitting}: {len(batches)} steps replayed, the logged batch sizes matched", flush=True)
     L.write_lineage(card, new)
+    (log / "lineage-by-sitting.json").write_text(json.dumps(by_sitting, indent=1) + "\n")
     return new
+
+
+def unique_tokens(lineage: dict) -> int:
+    """The distinct response tokens a lineage has trained on: every source it read, counted once."""
+    return sum(s.get("response_tokens") or 0 for s in lineage["sources"] if s["views"] > 0)
 
 
 def main(argv=None) -> int:

@@ -171,7 +171,14 @@ def prepare_data(
         "response_tokens": sum(int(s.loss_mask.sum()) for s in seqs),
         "weights": groups if any(w is not None for w in groups) else None,
         # Per --data item: its content key and trained sequences, for the view budget (train.lineage).
-        "sources": [s | {"sequences": sum(q.source == g for q in seqs)} for g, s in enumerate(sources)],
+        "sources": [
+            s
+            | {
+                "sequences": sum(q.source == g for q in seqs),
+                "response_tokens": sum(int(q.loss_mask.sum()) for q in seqs if q.source == g),
+            }
+            for g, s in enumerate(sources)
+        ],
     }
     return seqs, eval_sets, stats
 

@@ -70,6 +70,7 @@ def lineage_after(
             "key": s["key"],
             "name": s["name"],
             "sequences": s["sequences"],
+            "response_tokens": s.get("response_tokens"),
             "views": round(views, 3),
         }
     return {"format": FORMAT, "max_views": max_views, "sources": list(merged.values())}
