@@ -7,21 +7,13 @@ import json
 import pytest
 import torch
 from conftest import make_draft, make_hf_model
-from test_train import config, files, write_data  # noqa: F401  (fixture)
+from test_train import config, files, one_thread, write_data  # noqa: F401  (fixtures)
 
 from flashdraft.train import data as TD
 from flashdraft.train import lineage as TLin
 from flashdraft.train import loop as T
 from flashdraft.train.config import TrainError
 from flashdraft.train.datagen import pack, read_packed
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_plan_without_a_budget_is_the_plain_epoch_order():
