@@ -165,7 +165,7 @@ def lineage(card: Path, log: Path, target: str = "smollm2-135m-instruct") -> dic
     from flashdraft.models.load import load_target
     from flashdraft.train import lineage as L
     from flashdraft.train.config import TrainConfig
-    from flashdraft.train.data import plan_epochs, prepare_data
+    from flashdraft.train.data import drawn, plan_epochs, prepare_data
 
     root = Path(__file__).resolve().parent.parent
     tok = load_target(target, "float32", runner="transformers")
@@ -194,10 +194,7 @@ def lineage(card: Path, log: Path, target: str = "smollm2-135m-instruct") -> dic
         batches = [b for plan in plans for b in plan][: len(logged)]
         if [len(b) for b in batches] != logged:
             raise SystemExit(f"sitting {sitting}: the replayed plan does not match the logged batches")
-        draws = [0] * len(stats["sources"])
-        for b in batches:
-            for i in b:
-                draws[seqs[i].source] += 1
+        draws = drawn(plans, [q.source for q in seqs], len(batches), len(stats["sources"]))
         new = L.lineage_after(stats["sources"], draws, prior, 3.0)
         prior = {x["key"]: x for x in new["sources"]}
         by_sitting[sitting] = unique_tokens(new)

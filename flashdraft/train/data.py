@@ -271,6 +271,15 @@ def plan_epochs(
     return plans
 
 
+def drawn(plans: list[list[list[int]]], sources: list[int], steps: int, n_sources: int) -> list[int]:
+    """How many sequences of each source the first `steps` batches of `plans` draw."""
+    out = [0] * n_sources
+    for batch in [b for plan in plans for b in plan][:steps]:
+        for i in batch:
+            out[sources[i]] += 1
+    return out
+
+
 def epoch_batches(
     lengths: list[int], batch_tokens: int, seed: int, epoch: int, members: list[int] | None = None
 ) -> list[list[int]]:

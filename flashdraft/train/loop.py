@@ -58,6 +58,7 @@ from flashdraft.train.config import (
 )
 from flashdraft.train.data import (
     _generator,
+    drawn,
     file_fingerprint,
     head_rows,
     plan_epochs,
@@ -486,13 +487,9 @@ def _start_at(run: Run, ckpt: Path | None, ckpt_state: dict | None) -> int:
 
 def _lineage(run: Run, steps: int) -> dict:
     """The draft's lineage after `steps` optimizer steps: --init-draft's plus this run's draws."""
-    draws, left = [0] * len(run.stats["sources"]), steps
-    for plan in run.plans:
-        for batch in plan[:left]:
-            for i in batch:
-                draws[run.seqs[i].source] += 1
-        left -= min(left, len(plan))
-    return lineage_after(run.stats["sources"], draws, run.prior, run.cfg.max_views)
+    sources = run.stats["sources"]
+    draws = drawn(run.plans, [q.source for q in run.seqs], steps, len(sources))
+    return lineage_after(sources, draws, run.prior, run.cfg.max_views)
 
 
 def _batch_features(run: Run, part: list[int], batch: Batch) -> torch.Tensor:
