@@ -330,9 +330,8 @@ def _check_meta(out: Path, old: dict, new: dict) -> None:
         bad.insert(0, ("(flashdraft version)", "format"))
     if new["temperature"] > 0 and old.get("seed") != new["seed"]:
         bad.append(("--seed", "seed"))
-    if old.get("weights") is not None and old["weights"] != new.get(
-        "weights"
-    ):  # older files did not record it
+    # Older files did not record which weights answered.
+    if old.get("weights") is not None and old["weights"] != new.get("weights"):
         bad.append(("--runner / --quantize", "weights"))
     if bad:
         diffs = "; ".join(f"{key} {old.get(key)!r} (now {new.get(key)!r}, {flag})" for flag, key in bad)
