@@ -167,6 +167,48 @@ def _sharegpt_answers(split: str) -> tuple[tuple[Example, str], ...]:
     )
 
 
+SHAREGPT_HISTORY_CHARS = 1500  # earlier exchanges kept before a later turn: about 400 tokens of context
+
+
+@functools.lru_cache(maxsize=1)
+def _sharegpt_later_turns() -> tuple[tuple[Example, str], ...]:
+    """(conversation so far, recorded answer) pairs for turns 2, 3, ... of the training split's
+    conversations (the split of a conversation is its first prompt's, so no evaluation conversation
+    contributes). Each pair keeps the most recent earlier exchanges that fit `SHAREGPT_HISTORY_CHARS`
+    (`meta["answers"]` holds their answers, for `Example.messages`), so a long conversation still
+    leaves room for its answer within a training sequence."""
+    out = []
+    for conv in sharegpt_conversations():
+        turns = [
+            t for t in conv.get("conversations") or [] if isinstance(t, dict) and t.get("from") != "system"
+        ]
+        if not turns or turns[0].get("from") not in ("human", "user"):
+            continue
+        if sharegpt_split(str(turns[0].get("value") or "").strip()) != "train":
+            continue
+        text = [str(t.get("value") or "").strip() for t in turns]
+        for k in range(2, len(turns) - 1, 2):
+            if turns[k].get("from") not in ("human", "user") or turns[k + 1].get("from") != "gpt":
+                break  # the roles no longer alternate: what follows is not a clean exchange
+            if (
+                not SHAREGPT_MIN_CHARS <= len(text[k]) <= SHAREGPT_MAX_CHARS
+                or len(text[k + 1]) < SHAREGPT_MIN_CHARS
+            ):
+                continue
+            start, used = k, 0
+            while start >= 2 and used + len(text[start - 2]) + len(text[start - 1]) <= SHAREGPT_HISTORY_CHARS:
+                start -= 2
+                used += len(text[start]) + len(text[start + 1])
+            ex = Example(
+                f"sharegpt/{conv.get('id')}@{k // 2 + 1}",
+                "sharegpt",
+                tuple(text[start : k + 1 : 2]),
+                meta={"answers": tuple(text[start + 1 : k : 2])},
+            )
+            out.append((ex, text[k + 1]))
+    return tuple(out)
+
+
 def _gsm_symbolic_solutions(limit: int | None, seed: int) -> list[tuple[Example, str]]:
     return [
         (ex, ex.meta["answer_cot"]) for ex in _load_gsm_symbolic(limit, seed) if ex.meta.get("answer_cot")
@@ -177,6 +219,7 @@ def _gsm_symbolic_solutions(limit: int | None, seed: int) -> list[tuple[Example,
 # regenerating the answers (`flashdraft train --data sharegpt`). Training-side splits only.
 CORPORA: dict[str, Callable[[int | None, int], list[tuple[Example, str]]]] = {
     "sharegpt": lambda limit, seed: list(_sharegpt_answers("train"))[:limit],
+    "sharegpt-turns": lambda limit, seed: list(_sharegpt_later_turns())[:limit],
     "gsm-symbolic": _gsm_symbolic_solutions,
 }
 EVAL_SETS = ("sharegpt-eval", "gsm-symbolic-eval", "mt-bench", "humaneval")

@@ -67,6 +67,42 @@ def test_corpus_records_are_the_chat_template_and_the_recorded_answer(chat):
     assert TD.corpus_records("sharegpt", tok, limit=2, skip=2) == records[2:]  # a fresh slice per sitting
 
 
+def test_later_turns_carry_their_conversation(chat):
+    """`sharegpt-turns`: turn k of a training conversation, asked after the recorded earlier exchanges
+    (the most recent that fit the history budget), answered with the recorded answer."""
+    from flashdraft.data import SHAREGPT_HISTORY_CHARS, sharegpt_conversations
+
+    _, tok = chat
+    pairs = load_corpus("sharegpt-turns", limit=40)
+    records = TD.corpus_records("sharegpt-turns", tok, limit=40)
+    convs = {}
+    for conv in sharegpt_conversations():
+        convs[str(conv.get("id"))] = [t for t in conv["conversations"] if t.get("from") != "system"]
+        if len(convs) > 400:
+            break
+    checked = 0
+    for (ex, answer), r in zip(pairs, records, strict=True):
+        cid, k = ex.id.removeprefix("sharegpt/").split("@")
+        turns = [str(t["value"]).strip() for t in convs.get(cid, [])]
+        if not turns:
+            continue
+        k = 2 * (int(k) - 1)  # index of the asked user turn
+        assert sharegpt_split(turns[0]) == "train" and k >= 2
+        assert ex.turns[-1] == turns[k] and answer == turns[k + 1]
+        history = list(ex.meta["answers"])
+        n = len(history)
+        assert list(ex.turns[:-1]) == turns[k - 2 * n : k : 2] and history == turns[k - 2 * n + 1 : k : 2]
+        assert sum(map(len, ex.turns[:-1] + ex.meta["answers"])) <= SHAREGPT_HISTORY_CHARS
+        if k >= 2 and len(turns[k - 2]) + len(turns[k - 1]) <= SHAREGPT_HISTORY_CHARS:
+            assert n >= 1  # the previous exchange fits, so it is kept
+        msgs = ex.messages(history)
+        assert [m["role"] for m in msgs] == ["user", "assistant"] * n + ["user"]
+        assert r["prompt_ids"] == chat_ids(tok, msgs)
+        assert tok.decode(r["response_ids"][:-1]).strip() == answer.strip()
+        checked += 1
+    assert checked >= 20 and any(ex.meta["answers"] for ex, _ in pairs)
+
+
 def test_train_on_a_corpus_with_distillation(chat, tmp_path):
     target, _ = chat
     summary = T.train(corpus_config(target, tmp_path / "run", distill=True, head_vocab=64, max_steps=3))
