@@ -130,6 +130,33 @@ def _lookup(seq: list[int], k: int, max_ngram: int = 3, split: int = 4) -> tuple
     return tokens.tolist(), n
 
 
+def test_ngram_index_follows_the_row_as_it_grows():
+    """The per-row index answers as a scan of the whole sequence would, after every commit of 1-4
+    tokens (small vocabulary: many repeats), and again after the row is rewound."""
+    rng = random.Random(4)
+    proposer = NgramProposer(max_ngram=3, min_ngram=1)
+    for trial in range(20):
+        seq = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+        row = Row("x", seq, GenerationConfig(), 8, None)
+        for _ in range(25):
+            if rng.random() < 0.1 and row.tokens:
+                del row.tokens[rng.randrange(len(row.tokens)) :]  # rewound
+            row.tokens += [rng.randrange(4) for _ in range(rng.randint(1, 4))]
+            full = row.prompt + row.tokens
+            k = rng.randint(1, 6)
+            want, got = _scan(full, k), proposer.lookup(row, k)
+            assert (got[0].tolist(), got[1]) == want, (trial, full, k)
+
+
+def _scan(seq: list[int], k: int, max_ngram: int = 3) -> tuple[list[int], int]:
+    """The rule by brute force: the longest trailing n-gram seen before with a successor, its latest one."""
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        for i in range(len(seq) - n - 1, -1, -1):
+            if seq[i : i + n] == seq[-n:]:
+                return seq[i + n : i + n + k], n
+    return [], 0
+
+
 def test_ngram_lookup_copies_the_latest_earlier_occurrence_of_the_longest_match():
     """Its documented rule: the longest trailing n-gram (max_ngram down to min_ngram) that occurred
     before, at its latest earlier occurrence, and up to k tokens of what followed that one, across the

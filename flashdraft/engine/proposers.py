@@ -18,6 +18,8 @@ Stateless proposers only write `propose_row(row, k)`; the base class asks them r
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from flashdraft.engine.sampling import probs, sample
@@ -65,25 +67,43 @@ class Proposer:
 
 
 class NgramProposer(Proposer):
-    """Prompt lookup: find the latest earlier occurrence of the trailing n-gram and copy what followed."""
+    """Prompt lookup: find the latest earlier occurrence of the trailing n-gram and copy what followed.
+
+    Each row keeps an index, every n-gram (n <= max_ngram) that has a successor -> where its latest
+    occurrence's successor is, extended by the tokens committed since the last lookup, instead of a
+    scan of the whole sequence per row and step (16 rows of 300-500 tokens: 0.6 ms a step instead of
+    1.5 ms, on the 2-core CPU of docs/speed.md)."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, block_size: int = 8):
         self.max_ngram, self.min_ngram, self.block_size = max_ngram, min_ngram, block_size
+        self._index: weakref.WeakKeyDictionary[Row, tuple[list[int], dict]] = weakref.WeakKeyDictionary()
 
     def propose_row(self, row, k):
         return self.lookup(row, k)[0], None
 
     def lookup(self, row: Row, k: int) -> tuple[torch.Tensor, int]:
         """(up to k tokens, the length of the n-gram that matched; 0 and no tokens: no match)."""
-        seq = torch.tensor(row.prompt + row.tokens)
-        n_tok = seq.numel()
+        seq, after = self._indexed(row)
+        n_tok = len(seq)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
-            windows = seq.unfold(0, n, 1)[:-1]  # every n-gram that has a successor
-            hits = (windows == seq[-n:]).all(-1).nonzero()
-            if hits.numel():
-                begin = int(hits[-1]) + n
-                return seq[begin : begin + k], n
+            begin = after.get(tuple(seq[n_tok - n :]))
+            if begin is not None:
+                return torch.tensor(seq[begin : begin + k], dtype=torch.long), n
         return NOTHING, 0
+
+    def _indexed(self, row: Row) -> tuple[list[int], dict]:
+        """The row's tokens (prompt and committed) and its n-gram index, brought up to date."""
+        seq, after = self._index.get(row) or ([], {})
+        p, n_tok = len(row.prompt), len(row.prompt) + len(row.tokens)
+        if len(seq) > n_tok or (len(seq) > p and seq[p:] != row.tokens[: len(seq) - p]):  # rewound: again
+            seq, after = [], {}
+        old = len(seq)
+        seq += (row.prompt + row.tokens)[old:] if old < p else row.tokens[old - p :]
+        for j in range(max(old, 1), n_tok):  # token j follows the n-grams that end just before it
+            for n in range(1, min(self.max_ngram, j) + 1):
+                after[tuple(seq[j - n : j])] = j
+        self._index[row] = (seq, after)
+        return seq, after
 
 
 class DFlashProposer(Proposer):
