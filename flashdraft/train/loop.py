@@ -775,7 +775,8 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
         "--init-draft",
         default=None,
         help="start from this draft directory's weights; a training checkpoint (OUT/checkpoints/step-N) "
-        "also carries its optimizer moments (the schedule starts afresh: consider --warmup 0)",
+        "also carries its optimizer moments (the schedule starts afresh: consider --warmup 0, and a lower "
+        "--lr: a trained draft continued at 4e-4 lost tau, at 1.5e-4 gained; docs/recipe.md)",
     )
     p.add_argument(
         "--grow-to",
