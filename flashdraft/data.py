@@ -101,6 +101,11 @@ def sharegpt_conversations(path: str | Path | None = None) -> Iterator[dict]:
             yield obj
 
 
+def _turns(conv: dict) -> list[dict]:
+    """A conversation's turns, system messages left out."""
+    return [t for t in conv.get("conversations") or [] if isinstance(t, dict) and t.get("from") != "system"]
+
+
 def _normalise(text: str) -> str:
     return " ".join(text.split()).casefold()
 
@@ -120,9 +125,7 @@ def _sharegpt_prompts() -> tuple[Example, ...]:
     seen_id: dict[str, int] = {}
     out = []
     for conv in sharegpt_conversations():
-        turns = [
-            t for t in conv.get("conversations") or [] if isinstance(t, dict) and t.get("from") != "system"
-        ]
+        turns = _turns(conv)
         if not turns or turns[0].get("from") not in ("human", "user"):
             continue  # the continuation parts ("<id>_1", ...) start with the model's answer
         prompt = str(turns[0].get("value") or "").strip()
@@ -152,9 +155,7 @@ def _sharegpt_answers(split: str) -> tuple[tuple[Example, str], ...]:
     `sharegpt-train` / `sharegpt-eval` ask, each with the answer the conversation recorded."""
     answers: dict[str, str] = {}
     for conv in sharegpt_conversations():
-        turns = [
-            t for t in conv.get("conversations") or [] if isinstance(t, dict) and t.get("from") != "system"
-        ]
+        turns = _turns(conv)
         if len(turns) < 2 or turns[0].get("from") not in ("human", "user") or turns[1].get("from") != "gpt":
             continue
         answer = str(turns[1].get("value") or "").strip()
@@ -179,9 +180,7 @@ def _sharegpt_later_turns() -> tuple[tuple[Example, str], ...]:
     leaves room for its answer within a training sequence."""
     out = []
     for conv in sharegpt_conversations():
-        turns = [
-            t for t in conv.get("conversations") or [] if isinstance(t, dict) and t.get("from") != "system"
-        ]
+        turns = _turns(conv)
         if not turns or turns[0].get("from") not in ("human", "user"):
             continue
         if sharegpt_split(str(turns[0].get("value") or "").strip()) != "train":

@@ -131,17 +131,19 @@ def _lookup(seq: list[int], k: int, max_ngram: int = 3, split: int = 4) -> tuple
 
 
 def test_ngram_index_follows_the_row_as_it_grows():
-    """The per-row index answers as a scan of the whole sequence would, after every commit of 1-4
-    tokens (small vocabulary: many repeats), and again after the row is rewound."""
+    """The per-row index answers as a scan of the whole sequence would, after every commit of 0-4
+    tokens (small vocabulary: many repeats; `Row.commit`, as the engine grows rows), and for a row
+    found shorter than its index (indexed again)."""
     rng = random.Random(4)
     proposer = NgramProposer(max_ngram=3, min_ngram=1)
     for trial in range(20):
         seq = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
-        row = Row("x", seq, GenerationConfig(), 8, None)
+        row = Row("x", seq, GenerationConfig(200), 8, None)
         for _ in range(25):
             if rng.random() < 0.1 and row.tokens:
-                del row.tokens[rng.randrange(len(row.tokens)) :]  # rewound
-            row.tokens += [rng.randrange(4) for _ in range(rng.randint(1, 4))]
+                del row.tokens[rng.randrange(len(row.tokens)) :]  # shorter than its index
+            else:
+                row.commit([rng.randrange(4) for _ in range(rng.randint(0, 4))])
             full = row.prompt + row.tokens
             k = rng.randint(1, 6)
             want, got = _scan(full, k), proposer.lookup(row, k)

@@ -72,7 +72,8 @@ class NgramProposer(Proposer):
     Each row keeps an index, every n-gram (n <= max_ngram) that has a successor -> where its latest
     occurrence's successor is, extended by the tokens committed since the last lookup, instead of a
     scan of the whole sequence per row and step (16 rows of 300-500 tokens: 0.6 ms a step instead of
-    1.5 ms, on the 2-core CPU of docs/speed.md)."""
+    1.5-1.7 ms, on the 2-core CPU of docs/speed.md). Rows only grow (`Row.commit` appends), so the index
+    reads only their new tokens; a row shorter than its index is indexed again."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, block_size: int = 8):
         self.max_ngram, self.min_ngram, self.block_size = max_ngram, min_ngram, block_size
@@ -95,7 +96,7 @@ class NgramProposer(Proposer):
         """The row's tokens (prompt and committed) and its n-gram index, brought up to date."""
         seq, after = self._index.get(row) or ([], {})
         p, n_tok = len(row.prompt), len(row.prompt) + len(row.tokens)
-        if len(seq) > n_tok or (len(seq) > p and seq[p:] != row.tokens[: len(seq) - p]):  # rewound: again
+        if len(seq) > n_tok:
             seq, after = [], {}
         old = len(seq)
         seq += (row.prompt + row.tokens)[old:] if old < p else row.tokens[old - p :]

@@ -759,8 +759,7 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
         type=lambda s: [x for x in s.split(",") if x],
         help="comma-separated datagen JSONL / packed .npz files and text corpora (sharegpt, sharegpt-turns, "
         "gsm-symbolic: their recorded answers, no regeneration; use with --distill), each optionally with a "
-        "mixing weight: "
-        "sharegpt:0.7,data/x.npz:0.3",
+        "mixing weight: sharegpt:0.7,data/x.npz:0.3",
     )
     p.add_argument(
         "--corpus-limit",
