@@ -89,6 +89,9 @@ EXEMPT = {
     "D=data/smollm2-135m-instruct": "three 25-minute arms of a measured comparison (docs/recipe.md)",
     "# sittings 14-17: one run per arm, ARM its name and options from the table below": "four 22-minute "
     "training arms of a measured comparison (docs/recipe.md)",
+    "# sitting 18 (machine alone, 2 threads; the four regenerated files as in sittings 14-17)": (
+        "a 60-minute sitting of the training campaign"
+    ),
     "SET=budget scripts/recipes.sh DATA runs/recipes-budget 30   # DATA: the eight files above, comma-separated": (
         "eight 30-minute training runs and their table"
     ),

@@ -67,7 +67,8 @@ def test_the_budget_holds_across_sittings(files, tmp_path):  # noqa: F811
 
 def test_a_checkpoint_as_init_draft_carries_its_optimizer_moments(files, tmp_path):  # noqa: F811
     """Continuity across sittings: --init-draft OUT/checkpoints/step-N starts AdamW from that sitting's
-    moments (a draft folder, which holds none, starts it fresh)."""
+    moments (a draft folder, which holds none, starts it fresh); grown by a layer, the draft keeps the
+    moments of the parameters it grew from, and the new layer's start at zero."""
     from safetensors.torch import load_file
 
     from flashdraft.train import state as TS
@@ -76,8 +77,8 @@ def test_a_checkpoint_as_init_draft_carries_its_optimizer_moments(files, tmp_pat
     ckpt = tmp_path / "s1" / "checkpoints" / "step-00000003"
     saved = load_file(str(ckpt / TS.OPTIM_NAME))
 
-    def moments(init):
-        cfg = config(files, tmp_path / f"s2-{init.name}", init_draft=str(init))
+    def moments(init, **kw):
+        cfg = config(files, tmp_path / f"s2-{init.name}-{len(kw)}", init_draft=str(init), **kw)
         d, device = TS.setup(cfg)
         run, _, _ = T._open_run(cfg, d, device)
         T._make_draft(run, None, None)
@@ -91,6 +92,11 @@ def test_a_checkpoint_as_init_draft_carries_its_optimizer_moments(files, tmp_pat
         for n, st in carried.items()
     )
     assert moments(tmp_path / "s1" / "draft") == {}
+    layers = config(files, tmp_path).layers
+    grown = moments(ckpt, grow_to=layers + 1)
+    assert grown.keys() == carried.keys() and all(
+        torch.equal(st["exp_avg_sq"], carried[n]["exp_avg_sq"]) for n, st in grown.items()
+    )
 
 
 def test_a_grown_draft_proposes_exactly_what_it_grew_from():

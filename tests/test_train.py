@@ -151,7 +151,7 @@ def test_block_loss_is_weighted_mean_of_cross_entropy():
         [math.exp(-(k - 1) / 7) for k in range(1, 16)]
     )
     assert TL.block_weights(16, 7.0)[0] == 0
-    assert [TC.resolve_gamma(b, None) for b in (16, 10, 8)] == [7, 5, 4]
+    assert [TC.resolve_gamma(b, None) for b in (16, 10, 8)] == [7, 5, 2]
     with pytest.raises(TC.TrainError, match="explicit --gamma"):
         TC.resolve_gamma(12, None)
 
@@ -609,8 +609,30 @@ def test_cli_help_lists_the_issue_options():
     )
     cfg = TC.TrainConfig.from_args(text)
     assert cfg.data == ["a.jsonl", "b.jsonl"] and cfg.gamma is None and cfg.anchors == 48 and cfg.epochs == 6
-    assert cfg.lr == 6e-4 and cfg.layers == 5 and cfg.max_len == 3072 and cfg.batch_tokens == 2048
+    assert cfg.layers == 5 and cfg.max_len == 3072 and cfg.batch_tokens == 2048 and cfg.grad_clip == 4.0
     assert cfg.block_size is None and TC.resolve_block_size(cfg).block_size == TC.NEW_DRAFT_BLOCK_SIZE == 8
+
+
+def test_a_continued_draft_gets_the_continuation_schedule_unless_told_otherwise():
+    """A new draft warms up to 6e-4 and follows a cosine; a draft continued from --init-draft takes 1.5e-4
+    at once, constant, then decays over the last 30%; what the user passes wins either way."""
+    from flashdraft.cli import build_parser
+
+    def resolved(*extra):
+        args = build_parser().parse_args(
+            ["train", "--target", "t", "--data", "a.jsonl", "--out", "o", *extra]
+        )
+        return TC.resolve_schedule(TC.TrainConfig.from_args(args))
+
+    new, cont = resolved(), resolved("--init-draft", "d")
+    assert (new.lr, new.warmup, new.decay) == (6e-4, 0.04, None)
+    assert (cont.lr, cont.warmup, cont.decay) == (1.5e-4, 0.0, 0.3)
+    mine = resolved("--init-draft", "d", "--lr", "3e-4", "--warmup", "0.1", "--decay", "0.5")
+    assert (mine.lr, mine.warmup, mine.decay) == (3e-4, 0.1, 0.5)
+    assert TC.resolve_schedule(mine) == mine  # resolving twice changes nothing
+    # the schedule the trainer runs: constant 1.5e-4 from the first step, 0 at the end
+    lrs = [T.lr_at(s, 100, cont.lr, cont.warmup, cont.decay) for s in range(100)]
+    assert lrs[0] == lrs[69] == 1.5e-4 and lrs[99] < 1e-5
 
 
 def test_autocast_auto_is_on_where_bf16_is_native(files, tmp_path, monkeypatch, capsys):

@@ -46,13 +46,15 @@ from flashdraft.models.draft import DFlashDraft, DraftError, init_draft_config
 from flashdraft.models.load import load_target, local_dir
 from flashdraft.models.target import Target, TargetError, resolve_dtype
 from flashdraft.train.config import (
+    CONTINUED_SCHEDULE,
     DTYPES,
     NEW_DRAFT_BLOCK_SIZE,
+    NEW_SCHEDULE,
     RUN_FIELDS,
     TrainConfig,
     TrainError,
     check_config,
-    resolve_block_size,
+    resolve_defaults,
     resolve_gamma,
     use_autocast,
 )
@@ -217,7 +219,7 @@ def plot_metrics(metrics: list[dict], path: Path) -> None:
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training; returns a summary. Raises TrainError on bad input or a NaN loss."""
-    cfg = resolve_block_size(cfg)
+    cfg = resolve_defaults(cfg)
     check_config(cfg)
     d, device = setup(cfg)
     try:
@@ -775,8 +777,9 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
         "--init-draft",
         default=None,
         help="start from this draft directory's weights; a training checkpoint (OUT/checkpoints/step-N) "
-        "also carries its optimizer moments (the schedule starts afresh: consider --warmup 0, and a lower "
-        "--lr: a trained draft continued at 4e-4 lost tau, at 1.5e-4 gained; docs/recipe.md)",
+        "also carries its optimizer moments. The schedule then defaults to a continuation's: --lr 1.5e-4, "
+        "--warmup 0, --decay 0.3 (a trained draft continued at 4e-4 lost tau, at 1.5e-4 gained; "
+        "docs/recipe.md)",
     )
     p.add_argument(
         "--grow-to",
@@ -813,19 +816,32 @@ def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
         help=f"tokens per drafted block (default: --init-draft's, else {NEW_DRAFT_BLOCK_SIZE})",
     )
     p.add_argument("--anchors", type=int, default=d.anchors, help="max anchors (blocks) per sequence")
-    p.add_argument("--gamma", type=_gamma, default=None, help="loss decay; auto = 7/5/4 for block 16/10/8")
+    p.add_argument("--gamma", type=_gamma, default=None, help="loss decay; auto = 7/5/2 for block 16/10/8")
     p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup", type=float, default=d.warmup, help="warmup fraction of the steps")
+    new, cont = NEW_SCHEDULE, CONTINUED_SCHEDULE
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"peak learning rate (default {new[0]:g}; {cont[0]:g} with --init-draft)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help=f"warmup fraction of the steps (default {new[1]:g}; {cont[1]:g} with --init-draft)",
+    )
     p.add_argument(
         "--decay",
         type=float,
-        default=d.decay,
+        default=None,
         help="constant learning rate after the warmup, then a linear decay to 0 over this last fraction of "
-        "the steps (or of --max-minutes) instead of the cosine",
+        f"the steps (or of --max-minutes); default: a cosine for a new draft, {cont[2]:g} with --init-draft",
     )
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument(
+        "--grad-clip", type=float, default=d.grad_clip, help="clip the gradient norm here (outliers only)"
+    )
     p.add_argument("--max-len", type=int, default=d.max_len, help="truncate sequences to this many tokens")
     p.add_argument(
         "--batch-tokens",

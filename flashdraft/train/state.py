@@ -228,15 +228,16 @@ def save_checkpoint(
     return final
 
 
-def _set_moments(draft, optimizer, flat: dict[str, torch.Tensor]) -> None:
-    """AdamW's moments and step counts, saved flat as "<param fqn>::<name>", into `optimizer`."""
+def _set_moments(draft, optimizer, flat: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """AdamW's moments and step counts, saved flat as "<param fqn>::<name>", into `optimizer`; not
+    `strict`: parameters missing from `flat` (a grown draft's new layers) start without."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=True)
+    opts = StateDictOptions(full_state_dict=True, strict=strict)
     optim = get_optimizer_state_dict(draft, optimizer, options=opts)
     state: dict[str, dict] = {}
     for key, value in flat.items():
@@ -245,21 +246,30 @@ def _set_moments(draft, optimizer, flat: dict[str, torch.Tensor]) -> None:
     set_optimizer_state_dict(
         draft, optimizer, {"state": state, "param_groups": optim["param_groups"]}, options=opts
     )
+    for name, p in draft.named_parameters():  # torch fills in the missing with a step of zeros: undo
+        if name not in state:
+            optimizer.state.pop(p, None)
 
 
 def carry_moments(ckpt: Path, draft, optimizer) -> str:
     """Continue a sitting's optimizer: the moments of a training checkpoint given as --init-draft, when it
-    holds them and the shapes match (a grown draft does not). Without them every sitting restarts AdamW
-    from zero, and held-out tau dips while the fresh moments settle. Returns what happened, for the log."""
+    holds them. Without them every sitting restarts AdamW from zero, and held-out tau dips while the
+    fresh moments settle. A grown draft (`--grow-to`) carries the moments of the parameters it grew from;
+    its new layers start theirs at zero. Returns what happened, for the log."""
     path = ckpt / OPTIM_NAME
     if not path.is_file():
         return "fresh optimizer (no optimizer state beside --init-draft's weights)"
     flat = load_file(str(path))
     shapes = {n: tuple(p.shape) for n, p in draft.named_parameters()}
     saved = {k.rsplit("::", 1)[0]: tuple(v.shape) for k, v in flat.items() if k.endswith("::exp_avg")}
-    if saved != shapes:
-        return "fresh optimizer (--init-draft's optimizer state is for other parameters: a grown draft?)"
-    _set_moments(draft, optimizer, flat)
+    if any(shapes.get(n) != shape for n, shape in saved.items()):
+        return "fresh optimizer (--init-draft's optimizer state is for parameters of other shapes)"
+    _set_moments(draft, optimizer, flat, strict=len(saved) == len(shapes))
+    if len(saved) < len(shapes):
+        return (
+            f"optimizer moments carried from {path} for {len(saved)} of {len(shapes)} parameters "
+            "(the grown layers' start at zero)"
+        )
     return f"optimizer moments carried from {path}"
 
 
