@@ -27,8 +27,9 @@ from flashdraft.engine import adaptive as A
 from flashdraft.engine.adaptive import EXPLORE, AdaptiveProposer, Calibration, LinearCost, RowState
 
 # What the engine's clock would say of each step, in a CPU-like ratio: a plain step (one token per row)
-# PLAIN_S per row, a speculative verify of n tokens VERIFY_S + PER_TOKEN_S * n (more than a plain step
-# even at one token: matrix-vector kernels give way to matrix-matrix ones), a draft call DRAFT_S.
+# PLAIN_S (its weights read once for all of a few rows), a speculative verify of n tokens VERIFY_S +
+# PER_TOKEN_S * n (more than a plain step even at one token: matrix-vector kernels give way to
+# matrix-matrix ones), a draft call DRAFT_S.
 PLAIN_S, VERIFY_S, PER_TOKEN_S, DRAFT_S = 1.0, 1.2, 0.05, 0.4
 
 
@@ -41,10 +42,16 @@ def fixed_costs(monkeypatch):
 
     def fixed(self, rows, ks, n, draft_s, verify_s, verify_tokens):
         plain = verify_tokens == len(rows)
-        verify = PLAIN_S * len(rows) if plain else VERIFY_S + PER_TOKEN_S * verify_tokens
+        verify = PLAIN_S if plain else VERIFY_S + PER_TOKEN_S * verify_tokens
         observe(self, rows, ks, n, DRAFT_S, verify, verify_tokens)
 
     monkeypatch.setattr(AdaptiveProposer, "observe", fixed)
+    timed = AdaptiveProposer.timed
+    monkeypatch.setattr(
+        AdaptiveProposer,
+        "timed",
+        lambda self, tokens, s: timed(self, tokens, VERIFY_S + PER_TOKEN_S * tokens),
+    )
 
 
 @pytest.mark.parametrize("arch_name", ["llama", "gemma3"])
@@ -77,7 +84,7 @@ def test_sampling_adaptive_is_exact():
     # frozen, so the cut follows the confidences alone: a cut that looked at the sampled token's own q
     # instead of the peak would keep only the likelier samples, a bias this test sees.
     table = adaptive.calibration
-    table.hits, table.seen = torch.tensor([0.1] * 3 + [0.9] * 7), torch.ones(10)
+    table.hits, table.seen = [0.1] * 3 + [0.9] * 7, [1.0] * 10
     table.update = lambda conf, accepted: None
     # and a fixed threshold (0.3), whatever the timings: plain steps timed on this tiny model would make
     # every verify look dear and leave the draft unused
@@ -148,9 +155,9 @@ def test_a_source_judged_hopeless_is_tried_again():
     be measured again; every EXPLORE idle steps the row verifies its likeliest first token instead."""
     table = Calibration()
     for _ in range(40):
-        table.update(torch.full((3,), 0.5), 0)  # three failures at the first token: hopeless
+        table.update([0.5] * 3, 0)  # three failures at the first token: hopeless
     st = RowState()
-    option = ("ngram", torch.tensor([4, 5, 6]), None, torch.full((3,), 0.5), table)
+    option = ("ngram", torch.tensor([4, 5, 6]), None, [0.5] * 3, table)
     picks = []
     for _ in range(2 * EXPLORE + 2):
         picks.append(AdaptiveProposer._choose([option], 0.1, st))
@@ -173,7 +180,7 @@ def test_linear_cost_fits_and_falls_back_to_its_prior():
     assert b == pytest.approx(0.1, rel=0.05) and a == pytest.approx(1.0, rel=0.05)
     with pytest.raises(ValueError, match="needs"):
         AdaptiveProposer()
-    assert Calibration().chances(torch.full((3,), 0.5)).tolist() == [0.5, 0.25, 0.125]  # the prior
+    assert Calibration().chances([0.5] * 3) == [0.5, 0.25, 0.125]  # the prior
 
 
 @pytest.mark.parametrize("jump", [True, False])
@@ -183,7 +190,7 @@ def test_a_step_that_does_not_beat_a_plain_step_verifies_nothing(tiny_llama, mon
     timed apart, and a step whose expected tokens per second fall below it verifies nothing."""
     monkeypatch.setattr(Calibration, "update", lambda self, conf, accepted: None)  # chances stay 0.3
     adaptive = AdaptiveProposer(None, NgramProposer())
-    adaptive.ngram_typical.hits = adaptive.ngram_typical.seen * 0.3
+    adaptive.ngram_typical.hits = [n * 0.3 for n in adaptive.ngram_typical.seen]
     adaptive.plain_cost.add(1, 1.0)
     a = 1.5 if jump else 1.0  # one token per row: 1.0 s; speculative verifies: a + 0.01 s per token
     for n in (2, 10):
@@ -201,10 +208,10 @@ def test_ngram_calibration_starts_from_all_requests():
     """Whether a context repeats is a request's own nature, but a new request starts from what n-gram lookup
     achieved across requests (worth two observations), not from 1 in 2: chat after chat starts timid."""
     adaptive = AdaptiveProposer(None, NgramProposer())
-    conf = torch.full((3,), 0.5)
+    conf = [0.5] * 3
     for _ in range(30):
         adaptive.ngram_typical.update(conf, 0)
-    fresh = adaptive._new_row(1).ngram
+    fresh = adaptive._new_row().ngram
     assert fresh.chances(conf)[0] < 0.1
     fresh.update(conf, 3)  # the request's own successes soon outweigh the prior
     fresh.update(conf, 3)
@@ -230,6 +237,36 @@ def test_where_the_draft_does_not_pay_a_new_request_backs_off_at_once(tiny_llama
     assert calls[0] >= 6 and calls[1] <= 3, calls  # 1, 2, 4, ... 64 steps apart; then 16, 32
 
 
+def test_rows_joining_a_batch_wait_for_its_next_probe(tiny_llama):
+    """A draft call drafts every row, so a row joining a running batch must not make it draft at once: with
+    a useless draft, 16 requests of different lengths through 4 slots (a row joins every few steps), the
+    batch probes 1, 2, 4, ... steps apart whatever joins, and its output stays plain decoding's."""
+    draft = make_draft(tiny_llama.model, block_size=8)
+    adaptive = AdaptiveProposer(DFlashProposer(draft, tiny_llama))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(128) for _ in range(4)] for _ in range(16)]
+    configs = [GenerationConfig(rng.randint(12, 40)) for _ in prompts]
+    plain = [generate(tiny_llama, p, None, c).tokens for p, c in zip(prompts, configs, strict=True)]
+    res = generate_batch(tiny_llama, prompts, config=configs, proposer=adaptive, max_batch_size=4)
+    assert [r.tokens for r in res] == plain
+    s = adaptive.stats
+    assert s["draft_steps"] <= 12 and s["skipped_steps"] > 8 * s["draft_steps"], s
+
+
+def test_a_fresh_proposer_prices_its_first_verify_from_the_prefill(tiny_llama):
+    """Before any verify, the prefill's timing prices one: a fresh proposer at batch 4 cuts its first blocks
+    (with nothing timed it verified every row's whole block: at batch 16, 4-6 plain steps' worth)."""
+    from flashdraft.engine.engine import Engine
+
+    adaptive = AdaptiveProposer(DFlashProposer(make_draft(tiny_llama.model, block_size=8), tiny_llama))
+    engine = Engine(tiny_llama, adaptive, max_batch_size=4)
+    for i in range(4):
+        engine.add(str(i), [5 + i, 6, 7, 8], GenerationConfig(8))
+    engine.step()  # the prefill
+    engine.step()  # the first draft and verify
+    assert adaptive.stats["draft_steps"] == 1 and 0 < engine.stats["draft_tokens"] < 4 * 7, engine.stats
+
+
 def test_the_draft_call_is_part_of_what_a_draft_step_costs():
     """Draft or not weighs a draft step's whole cost, draft call included, against a plain step, from the
     costs given (no clock): a row that gains 0.5 tokens per draft step, verifying one, pays with a cheap
@@ -240,9 +277,25 @@ def test_the_draft_call_is_part_of_what_a_draft_step_costs():
         adaptive.verify_cost.add(n, VERIFY_S + PER_TOKEN_S * n)
     row = RowState(gain=0.5, verified=1.0)
     adaptive.draft_s = 0.01
-    assert adaptive.wants_draft(row, 1)
+    assert adaptive.wants_draft([row])
     adaptive.draft_s = DRAFT_S
-    assert not adaptive.wants_draft(row, 1)
+    assert not adaptive.wants_draft([row])
+
+
+def test_a_draft_call_serves_the_batch_so_the_rows_gains_together_decide():
+    """A draft call drafts every row: at batch 4 one row gaining 2 tokens per draft step does not pay for
+    it when the other three gain nothing ((4 + 2) / (0.4 + 1.2 + 0.05 * 6) = 3.2 < 4 / 1.0 rows per
+    second), though alone it would ((1 + 2) / (0.4 + 1.2 + 0.05 * 3) = 1.7 > 1); four such rows do."""
+    adaptive = AdaptiveProposer(Proposer())
+    adaptive.plain_cost.add(1, PLAIN_S)
+    adaptive.plain_cost.add(4, PLAIN_S)  # a plain step of 1 to 4 rows: one matrix-vector pass
+    for n in range(2, 17):
+        adaptive.verify_cost.add(n, VERIFY_S + PER_TOKEN_S * n)
+    adaptive.draft_s = DRAFT_S
+    good, idle = RowState(gain=2.0, verified=2.0), RowState(gain=0.0, verified=0.0)
+    assert adaptive.wants_draft([good])
+    assert not adaptive.wants_draft([good, idle, idle, idle])
+    assert adaptive.wants_draft([good] * 4)
 
 
 def test_rows_are_cut_below_a_cost_step():
@@ -255,14 +308,14 @@ def test_rows_are_cut_below_a_cost_step():
     for n in range(2, 9):
         adaptive.verify_cost.add(n, 1.1 if n <= 4 else 2.5)
     table = Calibration()
-    table.hits = table.seen * 0.9
-    conf = torch.full((7,), 0.5)
+    table.hits = [n * 0.9 for n in table.seen]
+    conf = [0.5] * 7
     options = [("dflash", torch.arange(7), None, conf, table)]
     pick = AdaptiveProposer._choose(options, adaptive.threshold(1), RowState())
     assert len(pick.tokens) == 7  # what the per-token threshold alone keeps
     (cut,) = adaptive.cut([pick])
     assert cut.tokens.tolist() == [0, 1, 2] and cut.value == pytest.approx(0.9 + 0.81 + 0.729)
-    assert cut.conf.shape == (3,)
+    assert len(cut.conf) == 3
     adaptive.verify_cost.by_size.clear()  # the line alone
     assert len(adaptive.cut([pick])[0].tokens) == 4
 
@@ -277,15 +330,15 @@ def test_in_a_batch_a_row_explores_only_when_the_step_verifies_drafts_anyway():
     for n in range(2, 41):
         adaptive.verify_cost.add(n, 1.0 if n <= 4 else 2.0)  # a kernel that takes rows 4 at a time
     hopeless, sure = Calibration(), Calibration()
-    hopeless.hits, sure.hits = hopeless.seen * 0.01, sure.seen * 0.99
+    hopeless.hits, sure.hits = [n * 0.01 for n in hopeless.seen], [n * 0.99 for n in sure.seen]
     explore = AdaptiveProposer._choose(
-        [("ngram", torch.tensor([7]), None, torch.full((1,), 0.5), hopeless)], 0.5, RowState(idle=EXPLORE)
+        [("ngram", torch.tensor([7]), None, [0.5] * 1, hopeless)], 0.5, RowState(idle=EXPLORE)
     )
     assert explore.exploring and len(explore.tokens) == 1
     assert [p.source for p in adaptive.cut([explore, A.NONE, A.NONE, A.NONE])] == ["none"] * 4
     assert adaptive.cut([explore])[0].exploring  # alone: one token costs one row
     good = AdaptiveProposer._choose(
-        [("dflash", torch.arange(7), None, torch.full((7,), 0.5), sure)], adaptive.threshold(4), RowState()
+        [("dflash", torch.arange(7), None, [0.5] * 7, sure)], adaptive.threshold(4), RowState()
     )
     kept = adaptive.cut([explore, good, A.NONE, A.NONE])
     assert kept[0].exploring and kept[1].source == "dflash"  # the drafts pay: the exploring row rides along

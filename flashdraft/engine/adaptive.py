@@ -13,12 +13,15 @@ the verifier accepts that position, given it reached it, by a calibration table 
   every row is cut to the common length that commits the most per second (a shorter verify can sit below
   a cost step), and the step must beat a plain step: (B + expected accepted) / verify(block tokens) >= R,
   else it verifies nothing (a row exploring, below, still verifies its one token).
-- Draft or not, per request: a draft step pays for a row when it is expected to commit more per second
-  than a plain step; the running mean gain of the row's past draft steps decides. When it does not pay,
-  the row waits (plain, or n-gram where the context repeats) and tries the draft again after 1, 2, 4,
-  ... 64 steps. The step drafts when any row is ready. Every request starts ready, with the typical gain
-  of all requests as a prior worth one step: one request where the draft does not pay (chat) does not
-  make the next one (code, maths) timid. What is a property of the
+- Draft or not: a draft call serves every row of the batch at once, so the batch decides: the step drafts
+  when the rows' expected gains together (each the running mean of its own past draft steps) are worth
+  the draft call and the longer verify, against a plain step of the batch. When they are not, the batch
+  steps plain (or n-gram where a context repeats) and tries the draft again after 1, 2, 4, ... 64 steps,
+  and every row updates its gain from that probe. A request starts with the typical gain of all requests
+  as its prior, worth one step; alone in the batch it starts a fresh probe schedule, its first step a
+  draft step, so one request where the draft does not pay (chat) does not make the next one (code,
+  maths) timid. Joining a batch it waits for the batch's next probe: there a probe drafts for every
+  row, and one row's first step must not cost the whole batch a draft call. What is a property of the
   machine and the draft (costs, the draft's calibration) is kept across requests; n-gram lookup's
   calibration is the request's own (whether a context repeats is the request's nature), its confidence
   the length of the n-gram that matched, and it starts from what n-gram lookup achieved across requests,
@@ -34,6 +37,7 @@ distributions (their peaks), never on the tokens sampled from them nor on the ta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -68,13 +72,13 @@ class Pick(NamedTuple):
     source: str
     tokens: torch.Tensor
     q: torch.Tensor | None
-    conf: torch.Tensor  # the confidences of the tokens kept
+    conf: list[float]  # the confidences of the tokens kept
     table: Calibration | None  # the calibration that learns from them
     value: float = 0.0  # expected accepted tokens
     exploring: bool = False
 
 
-NONE = Pick("none", NOTHING, None, torch.zeros(0), None)
+NONE = Pick("none", NOTHING, None, [], None)
 
 
 class LinearCost:
@@ -122,40 +126,48 @@ class StepCost(LinearCost):
 
 class Calibration:
     """Per confidence bin, the chance that the verifier accepts a drafted token it reached: (accepted,
-    reached) counts that decay as new ones come, from a prior of 1 in 2."""
+    reached) counts that decay as new ones come, from a prior of 1 in 2. Plain Python floats: a step asks
+    every row's tables a few questions of at most a block's length, where tensor ops would cost more in
+    dispatch (about 0.2 ms a row and step) than the arithmetic."""
 
     def __init__(self, prior: Calibration | None = None, weight: float = 2.0):
         """Chances start at 1 in 2, or at `prior`'s, worth `weight` observations per bin."""
-        rate = torch.full((BINS,), 0.5) if prior is None else prior.hits / prior.seen
-        self.hits, self.seen = rate * weight, torch.full((BINS,), weight)
+        rates = (
+            [0.5] * BINS if prior is None else [h / n for h, n in zip(prior.hits, prior.seen, strict=True)]
+        )
+        self.hits, self.seen = [r * weight for r in rates], [weight] * BINS
 
     @staticmethod
-    def bins(conf: torch.Tensor) -> torch.Tensor:
-        return (conf.clamp(0, 1) * BINS).long().clamp(max=BINS - 1)
+    def bin(conf: float) -> int:
+        return min(int(min(max(conf, 0.0), 1.0) * BINS), BINS - 1)
 
-    def chances(self, conf: torch.Tensor) -> torch.Tensor:
+    def chances(self, conf: list[float]) -> list[float]:
         """P_i, the chance that drafted tokens 1..i are all accepted, from per-position confidences."""
-        bins = self.bins(conf)
-        return torch.cumprod(self.hits[bins] / self.seen[bins], 0)
+        out, p = [], 1.0
+        for c in conf:
+            b = self.bin(c)
+            p *= self.hits[b] / self.seen[b]
+            out.append(p)
+        return out
 
-    def update(self, conf: torch.Tensor, accepted: int) -> None:
+    def update(self, conf: list[float], accepted: int) -> None:
         """len(conf) tokens were verified; the first `accepted` were accepted."""
-        reached = min(accepted + 1, len(conf))
-        bins = self.bins(conf[:reached])
-        self.hits.mul_(0.999).index_add_(0, bins, (torch.arange(reached) < accepted).float())
-        self.seen.mul_(0.999).index_add_(0, bins, torch.ones(reached))
+        self.hits = [h * 0.999 for h in self.hits]
+        self.seen = [n * 0.999 for n in self.seen]
+        for i, c in enumerate(conf[: accepted + 1]):
+            b = self.bin(c)
+            self.hits[b] += i < accepted
+            self.seen[b] += 1
 
 
 @dataclass
 class RowState:
-    """One request's draft-or-not state, and its own n-gram calibration (whether its context repeats is a
-    property of the request: code does, chat does not)."""
+    """What one request's draft steps gained, and its own n-gram calibration (whether its context repeats
+    is a property of the request: code does, chat does not)."""
 
     gain: float | None = None  # drafted tokens accepted per draft step (running mean, then EMA)
     verified: float | None = None  # drafted tokens verified per draft step (likewise)
     steps: int = 0  # draft steps seen
-    wait: int = 0  # steps before the draft is tried again
-    backoff: int = 1  # the next wait when the draft does not pay
     idle: int = 0  # steps since the row last verified a proposal
     ngram: Calibration = field(default_factory=Calibration)
 
@@ -163,7 +175,8 @@ class RowState:
 class AdaptiveProposer(Proposer):
     """A drafting proposer (`DFlashProposer`, whose draft logits give the confidences) and/or n-gram lookup
     behind the adaptive rule above. The engine tells it how each step went (`observe`); it keeps the costs
-    and the calibration across requests, the draft-or-not state per request."""
+    and the calibration across requests, what each request's draft steps gained, and the batch's probe
+    schedule."""
 
     def __init__(self, dflash: Proposer | None = None, ngram: NgramProposer | None = None):
         if dflash is None and ngram is None:
@@ -173,12 +186,15 @@ class AdaptiveProposer(Proposer):
         self.feature_layers = dflash.feature_layers if dflash is not None else None
         self.verify_cost = StepCost()  # speculative verify forwards
         self.plain_cost = LinearCost()  # steps that verified no proposal: one token per row
+        self.prefill_cost = LinearCost()  # prefills: the only forwards timed before the first step
         self.draft_s: float | None = None  # seconds of one draft call (EMA)
         self.calibration = Calibration()  # the draft's, across requests (n-gram lookup's is per request)
         self.ngram_typical = Calibration()  # n-gram lookup's across requests: a new request's prior
         self.rows: dict[Row, RowState] = {}  # the running rows only
         self.typical: RowState = RowState()  # gain and verified of all requests (slow EMA): a new one's prior
-        self.last: list[tuple[str, torch.Tensor, Calibration | None]] = []  # per row: what it verified
+        self.wait = 0  # steps before the draft is tried again, where it does not pay
+        self.backoff = 1  # the next wait when a probe shows the draft still does not pay
+        self.last: list[tuple[str, list[float], Calibration | None]] = []  # per row: what it verified
         self.drafted = False
         self.stats = {"draft_steps": 0, "skipped_steps": 0, "ngram_rows": 0, "dflash_rows": 0}
 
@@ -204,12 +220,18 @@ class AdaptiveProposer(Proposer):
 
     def costs(self, rows: int) -> tuple[float, float, float] | None:
         """(seconds of a plain step of `rows` rows, a, b of a speculative verify), or None before any timing.
-        What is not measured yet comes from what is."""
-        spec, plain = self.verify_cost.fit(), self.plain_cost.fit()
-        if spec is None and plain is None:
+        What is not measured yet comes from what is. Before the first verify, one costs a plain step plus,
+        per token beyond one a row, b: the prefills' cost per token (a plain fit has no slope in tokens,
+        its steps all had one a row; at batch 15-16 it priced a verify of 120 tokens like a plain step)."""
+        spec, plain, pre = self.verify_cost.fit(), self.plain_cost.fit(), self.prefill_cost.fit()
+        base = plain or spec or pre
+        if base is None:
             return None
-        a, b = spec or plain
-        return (plain[0] + plain[1] * rows if plain else a + b * rows), a, b
+        plain_s = base[0] + base[1] * rows
+        if spec is not None:
+            return plain_s, *spec
+        b = (pre or base)[1]
+        return plain_s, plain_s - b * rows, b
 
     def threshold(self, rows: int) -> float:
         """The chance of acceptance one more verified token must have: b * (plain rate of the batch)."""
@@ -219,12 +241,12 @@ class AdaptiveProposer(Proposer):
         plain, _, b = costs
         return b * rows / plain
 
-    def verify_s(self, tokens: int) -> float | None:
-        """Seconds of a verify forward over `tokens` tokens (all rows together): as measured at that size
+    def verify_s(self, tokens: int, rows: int = 1) -> float | None:
+        """Seconds of a verify forward over `tokens` tokens (`rows` rows together): as measured at that size
         where it was (see `StepCost`), else from the line a + b * tokens."""
         if tokens in self.verify_cost.by_size:
             return self.verify_cost.by_size[tokens]
-        costs = self.costs(1)
+        costs = self.costs(rows)
         return None if costs is None else costs[1] + costs[2] * tokens
 
     def pays(self, rows: int, gain: float, tokens: int) -> bool:
@@ -233,7 +255,7 @@ class AdaptiveProposer(Proposer):
         costs = self.costs(rows)
         if costs is None:
             return True
-        return (rows + gain) / self.verify_s(tokens) >= rows / costs[0]
+        return (rows + gain) / self.verify_s(tokens, rows) >= rows / costs[0]
 
     def cut(self, picks: list[Pick]) -> list[Pick]:
         """Every row cut to the verify length that commits the most per second, since a shorter verify can
@@ -241,12 +263,12 @@ class AdaptiveProposer(Proposer):
         rows, longest = len(picks), max(len(p.tokens) for p in picks)
         if not longest:
             return picks
-        chances = [p.table.chances(p.conf) if len(p.tokens) else torch.zeros(0) for p in picks]
-        sums = [[0.0, *c.cumsum(0).tolist()] for c in chances]  # expected accepted, by length: once per row
+        chances = [p.table.chances(p.conf) if len(p.tokens) else [] for p in picks]
+        sums = [[0.0, *accumulate(c)] for c in chances]  # expected accepted, by length: once per row
         best, best_gain, best_rate = longest, sum(p.value for p in picks), 0.0
         for length in range(1, longest + 1):
             gain = sum(x[min(length, len(x) - 1)] for x in sums)
-            seconds = self.verify_s(rows * (1 + length))
+            seconds = self.verify_s(rows * (1 + length), rows)
             if seconds is not None and (rows + gain) / seconds > best_rate:
                 best, best_gain, best_rate = length, gain, (rows + gain) / seconds
         if not self.pays(rows, best_gain, rows * (1 + best)):
@@ -257,27 +279,29 @@ class AdaptiveProposer(Proposer):
             p if len(p.tokens) <= best else _trim(p, c, best) for p, c in zip(picks, chances, strict=True)
         ]
 
-    def wants_draft(self, state: RowState, rows: int) -> bool:
-        """Whether draft steps are expected to commit more per second than plain ones, for a row whose
-        neighbours fare as it does."""
+    def wants_draft(self, states: list[RowState]) -> bool:
+        """Whether a draft step is expected to commit more per second than a plain step for these rows: their
+        expected gains together against the draft call and the verify of their expected lengths."""
         if self.dflash is None:
             return False
-        costs = self.costs(rows)
-        if state.gain is None or self.draft_s is None or costs is None:
+        rows, costs = len(states), self.costs(len(states))
+        if any(s.gain is None for s in states) or self.draft_s is None or costs is None:
             return True  # nothing measured yet
-        plain = costs[0]
-        tokens = rows * (1 + state.verified)  # the costs at the neighbouring sizes, interpolated
-        lo, hi = self.verify_s(int(tokens)), self.verify_s(int(tokens) + 1)
+        gain = sum(s.gain for s in states)
+        tokens = rows + sum(s.verified for s in states)  # the costs at the neighbouring sizes, interpolated
+        lo, hi = self.verify_s(int(tokens), rows), self.verify_s(int(tokens) + 1, rows)
         verify = lo + (hi - lo) * (tokens - int(tokens))
-        return (1 + state.gain) / (self.draft_s + verify) > 1 / plain
+        return (rows + gain) / (self.draft_s + verify) > rows / costs[0]
 
     def propose(self, rows, ks):
-        batch = len(rows)  # a new request's prior depends on the batch it joins
-        self.rows = {r: self.rows.get(r) or self._new_row(batch) for r in rows}  # by Row: ids may be reused
-        states = list(self.rows.values())
-        self.drafted = self.dflash is not None and any(s.wait == 0 for s in states)
-        for s in states:
-            s.wait = max(0, s.wait - 1)
+        if len(rows) == 1 and rows[0] not in self.rows:  # a request alone: a fresh probe schedule
+            self.rows = {rows[0]: self._new_row()}
+            self.wait, self.backoff = 0, 1 if self.wants_draft([self.rows[rows[0]]]) else EXPLORE
+        self.rows = {r: self.rows.get(r) or self._new_row() for r in rows}  # by Row: ids may be reused
+        self.drafted = self.dflash is not None and (
+            self.wait == 0 or self.wants_draft(list(self.rows.values()))
+        )
+        self.wait = max(0, self.wait - 1)
         ng = None
         if self.ngram is not None:
             ng = [self.ngram.lookup(r, k) if k else (NOTHING, 0) for r, k in zip(rows, ks, strict=True)]
@@ -288,7 +312,7 @@ class AdaptiveProposer(Proposer):
             st, options = self.rows[row], []
             if ng is not None and len(ng[b][0]):
                 # n-gram confidence: the length of the n-gram that matched (a longer match repeats more often)
-                conf = torch.full((len(ng[b][0]),), ng[b][1] / (self.ngram.max_ngram + 1))
+                conf = [ng[b][1] / (self.ngram.max_ngram + 1)] * len(ng[b][0])
                 options.append(("ngram", ng[b][0], None, conf, st.ngram))
             if df is not None and k:
                 tokens, q = df[b]
@@ -305,18 +329,13 @@ class AdaptiveProposer(Proposer):
         self.stats["draft_steps" if self.drafted else "skipped_steps"] += 1
         return out
 
-    def _new_row(self, rows: int) -> RowState:
-        """A request starts ready to draft, with what draft steps typically gained as its prior: one
-        observation's worth, so its own first steps soon outweigh it. Where the draft typically does not
-        pay, a first step that confirms it waits EXPLORE steps, not 1, 2, 4, ...: a short chat request
-        would otherwise spend several draft calls to learn what the requests before it showed. Its n-gram
-        calibration starts from all requests' (two observations per bin)."""
-        st = RowState(
+    def _new_row(self) -> RowState:
+        """A request starts with what draft steps typically gained as its prior: one observation's worth, so
+        its own first steps soon outweigh it. Its n-gram calibration starts from all requests' (two
+        observations per bin)."""
+        return RowState(
             gain=self.typical.gain, verified=self.typical.verified, ngram=Calibration(self.ngram_typical)
         )
-        if st.gain is not None and not self.wants_draft(st, rows):
-            st.backoff = EXPLORE
-        return st
 
     @staticmethod
     def _choose(options, theta: float, st: RowState):
@@ -328,9 +347,9 @@ class AdaptiveProposer(Proposer):
         best, first = NONE, []
         for source, tokens, q, conf, table in options:
             p = table.chances(conf)
-            keep = int((p >= theta).long().cumprod(0).sum())
-            value = float(p[:keep].sum())
-            first.append(float(p[0]))
+            keep = next((i for i, x in enumerate(p) if x < theta), len(p))
+            value = sum(p[:keep])
+            first.append(p[0])
             if keep and value > best.value:
                 best = Pick(
                     source, tokens[:keep], None if q is None else q[:, :keep], conf[:keep], table, value
@@ -347,14 +366,21 @@ class AdaptiveProposer(Proposer):
         """The row's idle count after the step verified `source` ("none": nothing)."""
         st.idle = 0 if source != "none" else st.idle + 1
 
-    def _confidence(self, b: int, k: int, q: torch.Tensor | None) -> torch.Tensor:
+    def _confidence(self, b: int, k: int, q: torch.Tensor | None) -> list[float]:
         """The peak of the distribution each position was drafted from (never the sampled token's own q).
         A proposer with neither q nor logits (a test oracle) gets one bin."""
         logits = getattr(self.dflash, "last_logits", None)
         if q is None and logits is None:
-            return torch.full((k,), 0.5)
+            return [0.5] * k
         dist = q[0] if q is not None else torch.softmax(logits[b, :k].float(), -1)
-        return dist.max(-1).values.float().cpu()
+        return dist.max(-1).values.float().cpu().tolist()
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A prefill is a forward like a verify: its timing prices the first step's verify (at batch 16, a
+        fresh proposer verified every row's whole block on its first step: 4-6 plain steps). Only until a
+        step is timed: a prefill's many tokens cost less each than a verify's few, so later its line would
+        price small verifies too low."""
+        self.prefill_cost.add(tokens, seconds)
 
     def observe(self, rows, ks, n, draft_s: float, verify_s: float, verify_tokens: int) -> None:
         """After the verify: row b verified ks[b] drafted tokens and committed n[b]."""
@@ -368,23 +394,24 @@ class AdaptiveProposer(Proposer):
                     self.ngram_typical.update(conf, min(got - 1, k))
         if not self.drafted:
             return
-        # Every row saw the draft: each keeps its turn while the draft pays for it, else waits 1, 2, 4, ... 64.
+        # Every row saw the draft: each learns what it gained; the batch keeps drafting while that pays,
+        # else waits 1, 2, 4, ... 64 steps before the next probe.
         for row, (source, _, _), k, got in zip(rows, self.last, ks, n, strict=True):
             st = self.rows[row]
             gain, used = (min(got - 1, k), k) if source == "dflash" else (0, 0)
             st.steps += 1
             _average(st, gain, used, max(0.2, 1 / (st.steps + 1)))
             _average(self.typical, gain, used, 0.05)
-            if self.wants_draft(st, len(rows)):
-                st.wait, st.backoff = 0, 1
-            elif st.wait == 0:
-                st.wait, st.backoff = st.backoff, min(64, 2 * st.backoff)
+        if self.wants_draft([self.rows[r] for r in rows]):
+            self.wait, self.backoff = 0, 1
+        else:
+            self.wait, self.backoff = self.backoff, min(64, 2 * self.backoff)
 
 
-def _trim(p: Pick, chances: torch.Tensor, length: int) -> Pick:
+def _trim(p: Pick, chances: list[float], length: int) -> Pick:
     """The pick's first `length` tokens, with their expected accepted count."""
     q = None if p.q is None else p.q[:, :length]
-    value = float(chances[:length].sum())
+    value = sum(chances[:length])
     return p._replace(tokens=p.tokens[:length], q=q, conf=p.conf[:length], value=value)
 
 

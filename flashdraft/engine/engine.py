@@ -272,6 +272,8 @@ class Engine:
             features=self.feature_layers,
             attention_mask=None if same else self.target.attention_mask(pos.clamp_min(0), kpos),
         )
+        if self.proposer is not None:
+            self.proposer.timed(ids.numel(), time.perf_counter() - t0)
         out = []
         for b, r in enumerate(rows):
             first = int(next_token(logits[b, -1], r.sampling, r.generator))

@@ -11,7 +11,8 @@ The engine owns the batch and tells its proposer what happens to it, in batch or
 - `accept(features, n)`: after the verify, row b committed n[b] tokens; features (B, T, n*H) are those
   of the verify block, the first n[b] of each row belong to its committed tokens;
 - `keep(index)`: only these rows (indices into the batch, in order) remain;
-- `observe(rows, ks, n, draft_s, verify_s, verify_tokens)`: how the step went (for adaptive proposers).
+- `observe(rows, ks, n, draft_s, verify_s, verify_tokens)`: how the step went (for adaptive proposers);
+- `timed(tokens, seconds)`: a prefill forward over `tokens` tokens took `seconds` (likewise).
 
 Stateless proposers only write `propose_row(row, k)`; the base class asks them row by row.
 """
@@ -64,6 +65,10 @@ class Proposer:
     ) -> None:
         """How the step went: row b verified ks[b] drafted tokens and committed n[b]; the draft phase took
         draft_s, the verify forward (verify_tokens tokens in all) verify_s. For proposers that adapt."""
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A prefill forward over `tokens` tokens (padding included) took `seconds`: what a forward over
+        many tokens costs, known before the first verify. For proposers that adapt."""
 
 
 class NgramProposer(Proposer):
