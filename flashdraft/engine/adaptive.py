@@ -378,7 +378,7 @@ class AdaptiveProposer(Proposer):
     def timed(self, tokens: int, seconds: float) -> None:
         """A prefill is a forward like a verify: its timing prices the first step's verify (at batch 16, a
         fresh proposer verified every row's whole block on its first step: 4-6 plain steps). Only until a
-        step is timed: a prefill's many tokens cost less each than a verify's few, so later its line would
+        verify is timed: a prefill's many tokens cost less each than a verify's few, so its line would
         price small verifies too low."""
         self.prefill_cost.add(tokens, seconds)
 
