@@ -238,7 +238,7 @@ BUGS = [
     (
         "a new request relearns from a wait of 1 that the draft does not pay",
         "flashdraft/engine/adaptive.py",
-        "            self.wait, self.backoff = 0, 1 if self.wants_draft([self.rows[rows[0]]]) else EXPLORE",
+        "            self.wait, self.backoff = 0, (1 if self.wants_draft([self.rows[rows[0]]]) else EXPLORE)",
         "            self.wait, self.backoff = 0, 1",
         "tests/test_adaptive.py::test_where_the_draft_does_not_pay_a_new_request_backs_off_at_once",
     ),

@@ -223,7 +223,8 @@ class AdaptiveProposer(Proposer):
         What is not measured yet comes from what is. Before the first verify, one costs a plain step plus,
         per token beyond one a row, b: the prefills' cost per token (a plain fit has no slope in tokens,
         its steps all had one a row; at batch 15-16 it priced a verify of 120 tokens like a plain step)."""
-        spec, plain, pre = self.verify_cost.fit(), self.plain_cost.fit(), self.prefill_cost.fit()
+        spec, plain = self.verify_cost.fit(), self.plain_cost.fit()
+        pre = self.prefill_cost.fit() if spec is None else None  # needed only until a verify is timed
         base = plain or spec or pre
         if base is None:
             return None
@@ -296,7 +297,7 @@ class AdaptiveProposer(Proposer):
     def propose(self, rows, ks):
         if len(rows) == 1 and rows[0] not in self.rows:  # a request alone: a fresh probe schedule
             self.rows = {rows[0]: self._new_row()}
-            self.wait, self.backoff = 0, 1 if self.wants_draft([self.rows[rows[0]]]) else EXPLORE
+            self.wait, self.backoff = 0, (1 if self.wants_draft([self.rows[rows[0]]]) else EXPLORE)
         self.rows = {r: self.rows.get(r) or self._new_row() for r in rows}  # by Row: ids may be reused
         self.drafted = self.dflash is not None and (
             self.wait == 0 or self.wants_draft(list(self.rows.values()))
