@@ -12,6 +12,7 @@ training, whatever order or subset is loaded.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib
@@ -306,12 +307,22 @@ def _load_humaneval(limit: int | None, seed: int) -> list[Example]:
 STDLIB_SKIP = ("test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages")
 
 
-@functools.lru_cache(maxsize=1)
-def _stdlib_functions() -> tuple[Example, ...]:
-    import ast
+def _documented(node) -> bool:
+    """A public function with a real docstring and body: worth asking the target to write."""
+    if not isinstance(node, ast.FunctionDef):
+        return False
+    doc = ast.get_docstring(node)
+    return bool(doc) and not node.name.startswith("_") and len(doc) >= 40 and len(node.body) >= 3
+
+
+@functools.lru_cache(maxsize=2)
+def _stdlib_functions(methods: bool = False) -> tuple[Example, ...]:
+    """The documented top-level functions of the standard library or, with `methods`, the documented
+    methods of its top-level classes (shown under their class line), in a fixed order."""
     import sysconfig
 
     root = Path(sysconfig.get_paths()["stdlib"])
+    name = "code-stdlib-methods" if methods else "code-stdlib"
     out = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
@@ -324,16 +335,20 @@ def _stdlib_functions() -> tuple[Example, ...]:
             continue
         lines = source.splitlines()
         module = ".".join(rel.with_suffix("").parts)
-        for node in tree.body:
-            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
-            if not doc or node.name.startswith("_") or len(doc) < 40 or len(node.body) < 3:
+        if methods:
+            classes = [c for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")]
+            found = [(f"{c.name}.", lines[c.lineno - 1] + "\n", n) for c in classes for n in c.body]
+        else:
+            found = [("", "", n) for n in tree.body]
+        for owner, above, node in found:
+            if not _documented(node):
                 continue
             head = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])
             out.append(
                 Example(
-                    f"code-stdlib/{module}.{node.name}",
-                    "code-stdlib",
-                    (CODE_TEMPLATE.format(prompt=head + "\n"),),
+                    f"{name}/{module}.{owner}{node.name}",
+                    name,
+                    (CODE_TEMPLATE.format(prompt=above + head + "\n"),),
                     category="code",
                 )
             )
@@ -342,6 +357,10 @@ def _stdlib_functions() -> tuple[Example, ...]:
 
 def _load_stdlib_code(limit: int | None, seed: int) -> list[Example]:
     return list(_stdlib_functions())[:limit]
+
+
+def _load_stdlib_methods(limit: int | None, seed: int) -> list[Example]:
+    return list(_stdlib_functions(methods=True))[:limit]
 
 
 GSM_SYMBOLIC = ("reasoning-gym", "0.1.25", "pip install reasoning-gym==0.1.25")
@@ -454,6 +473,15 @@ DATASETS: dict[str, DatasetSpec] = {
             "part of every Python installation",
             "PSF-2.0",
             _load_stdlib_code,
+        ),
+        DatasetSpec(
+            "code-stdlib-methods",
+            "methods of Python standard-library classes (class line, signature + docstring, body removed) in the code template",
+            "python",
+            "stdlib",
+            "part of every Python installation",
+            "PSF-2.0",
+            _load_stdlib_methods,
         ),
     ]
 }

@@ -3,6 +3,7 @@ cannot leak, deterministic generation, and clear errors for unknown names and mi
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import sys
@@ -163,6 +164,18 @@ def test_code_stdlib_prompts_are_signatures_and_docstrings_without_bodies():
         assert body.lstrip().startswith("def ") and ('"""' in body or "'''" in body)
         assert "return" not in body.split('"""')[-1]  # nothing after the docstring
     assert not {e.id.split("/")[1] for e in ex} & {e.id for e in load_dataset("humaneval")}
+
+
+def test_code_stdlib_methods_show_their_class_and_share_no_prompt_with_the_functions():
+    ex = load_dataset("code-stdlib-methods")
+    assert len(ex) >= 500 and len({e.id for e in ex}) == len(ex)
+    for e in ex[:50]:
+        body = e.turns[0].split("```python\n", 1)[1].rsplit("```", 1)[0]
+        cls, method = body.split("\n", 2)[:2]
+        assert cls.startswith("class ") and cls.split("(")[0].split(":")[0][6:] == e.id.split(".")[-2]
+        method_node = ast.parse(body + "        pass\n").body[0].body[0]  # the class's only statement
+        assert method.startswith("    def ") and ast.get_docstring(method_node)
+    assert not {e.turns[0] for e in ex} & {e.turns[0] for e in load_dataset("code-stdlib")}
 
 
 def test_prompt_files_round_trip_and_bad_lines_are_named(tmp_path):
