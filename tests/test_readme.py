@@ -92,6 +92,9 @@ EXEMPT = {
     "# sitting 18 (machine alone, 2 threads; the four regenerated files as in sittings 14-17)": (
         "a 60-minute sitting of the training campaign"
     ),
+    "# sitting 20 (machine alone, 2 threads, 50 training minutes)": (
+        "20 minutes of datagen and a 50-minute sitting of the training campaign"
+    ),
     "SET=budget scripts/recipes.sh DATA runs/recipes-budget 30   # DATA: the eight files above, comma-separated": (
         "eight 30-minute training runs and their table"
     ),
