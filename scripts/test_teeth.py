@@ -174,8 +174,8 @@ BUGS = [
     (
         "the adaptive proposer never skips the draft",
         "flashdraft/engine/adaptive.py",
-        "            self.wait == 0 or self.wants_draft(list(self.rows.values()))",
-        "            True",
+        "        probe = self.wait == 0 and self.could_pay(len(rows), draft_s)",
+        "        probe = True",
         "tests/test_adaptive.py::test_a_useless_draft_is_mostly_skipped",
     ),
     (
@@ -194,6 +194,34 @@ BUGS = [
         "tests/test_adaptive.py::test_rows_joining_a_batch_wait_for_its_next_probe",
     ),
     (
+        "the runner's Llama norm scales before the cast back to the activation dtype",
+        "flashdraft/models/runner/llama.py",
+        "    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)",
+        "    return (weight.float() * F.rms_norm(x.float(), x.shape[-1:], None, eps)).to(x.dtype)",
+        "tests/test_runner.py::test_norms_give_the_bits_of_the_transformers_norms",
+    ),
+    (
+        "the runner's Gemma 3 norm computed in the activation dtype",
+        "flashdraft/models/runner/gemma.py",
+        "    return F.rms_norm(x.float(), x.shape[-1:], scale, eps).type_as(x)",
+        "    return F.rms_norm(x, x.shape[-1:], scale.to(x.dtype), eps)",
+        "tests/test_runner.py::test_norms_give_the_bits_of_the_transformers_norms",
+    ),
+    (
+        "a probe is made whether or not it could pay (the draft call's catch-up unpriced)",
+        "flashdraft/engine/adaptive.py",
+        "        probe = self.wait == 0 and self.could_pay(len(rows), draft_s)",
+        "        probe = self.wait == 0",
+        "tests/test_adaptive.py::test_a_probe_that_could_not_pay_is_not_made",
+    ),
+    (
+        "a draft call priced by its blocks alone, not the context it catches up with",
+        "flashdraft/engine/proposers.py",
+        "        return len(ks) * (max((len(c) for c in self.pending), default=0) + max(ks) + 1)",
+        "        return len(ks) * (max(ks) + 1)",
+        "tests/test_adaptive.py::test_a_probe_that_could_not_pay_is_not_made",
+    ),
+    (
         "the prefill's timing does not reach the adaptive proposer (its first verify unpriced)",
         "flashdraft/engine/adaptive.py",
         "        self.prefill_cost.add(tokens, seconds)",
@@ -203,8 +231,8 @@ BUGS = [
     (
         "draft or not decided as if every row gained what the best row gains",
         "flashdraft/engine/adaptive.py",
-        "        gain = sum(s.gain for s in states)",
-        "        gain = max(s.gain for s in states) * rows",
+        "        gain = sum(whole if s.gain is None else s.gain for s in states)",
+        "        gain = max(whole if s.gain is None else s.gain for s in states) * rows",
         "tests/test_adaptive.py::test_a_draft_call_serves_the_batch_so_the_rows_gains_together_decide",
     ),
     (
@@ -1180,7 +1208,7 @@ BUGS = [
     (
         "adaptive: the draft call left out of a draft step's cost",
         "flashdraft/engine/adaptive.py",
-        "return (rows + gain) / (self.draft_s + verify) > rows / costs[0]",
+        "return (rows + gain) / (draft_s + verify) > rows / costs[0]",
         "return (rows + gain) / verify > rows / costs[0]",
         "tests/test_adaptive.py::test_the_draft_call_is_part_of_what_a_draft_step_costs",
     ),

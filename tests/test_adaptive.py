@@ -276,10 +276,8 @@ def test_the_draft_call_is_part_of_what_a_draft_step_costs():
     for n in (2, 8):
         adaptive.verify_cost.add(n, VERIFY_S + PER_TOKEN_S * n)
     row = RowState(gain=0.5, verified=1.0)
-    adaptive.draft_s = 0.01
-    assert adaptive.wants_draft([row])
-    adaptive.draft_s = DRAFT_S
-    assert not adaptive.wants_draft([row])
+    assert adaptive.wants_draft([row], 0.01)
+    assert not adaptive.wants_draft([row], DRAFT_S)
 
 
 def test_a_draft_call_serves_the_batch_so_the_rows_gains_together_decide():
@@ -291,11 +289,30 @@ def test_a_draft_call_serves_the_batch_so_the_rows_gains_together_decide():
     adaptive.plain_cost.add(4, PLAIN_S)  # a plain step of 1 to 4 rows: one matrix-vector pass
     for n in range(2, 17):
         adaptive.verify_cost.add(n, VERIFY_S + PER_TOKEN_S * n)
-    adaptive.draft_s = DRAFT_S
     good, idle = RowState(gain=2.0, verified=2.0), RowState(gain=0.0, verified=0.0)
-    assert adaptive.wants_draft([good])
-    assert not adaptive.wants_draft([good, idle, idle, idle])
-    assert adaptive.wants_draft([good] * 4)
+    assert adaptive.wants_draft([good], DRAFT_S)
+    assert not adaptive.wants_draft([good, idle, idle, idle], DRAFT_S)
+    assert adaptive.wants_draft([good] * 4, DRAFT_S)
+
+
+@pytest.mark.parametrize("relative_cost, drafts", [(0.5, False), (0.001, True)])
+def test_a_probe_that_could_not_pay_is_not_made(tiny_llama, relative_cost, drafts):
+    """A draft call first reads the context its rows committed since the last one: for a fresh proposer,
+    every prompt. At 16 rows of 40-token prompts, priced from the prefills (a draft token at half a target
+    token's cost), that call could not pay even if every drafted token were accepted, so the batch steps
+    plain throughout and makes no probe (before: its first step read all 16 prompts, 0.1-0.6 s on the
+    CPU of docs/speed.md against a 41 ms plain step). A cheap draft is probed; the output is plain's."""
+    adaptive = AdaptiveProposer(DFlashProposer(make_draft(tiny_llama.model, block_size=8), tiny_llama))
+    adaptive.dflash.relative_cost = relative_cost
+    rng = random.Random(3)
+    prompts = [[rng.randrange(128) for _ in range(40)] for _ in range(16)]
+    res = generate_batch(
+        tiny_llama, prompts, config=GenerationConfig(12), proposer=adaptive, max_batch_size=16
+    )
+    assert [r.tokens for r in res] == [
+        generate(tiny_llama, p, None, GenerationConfig(12)).tokens for p in prompts
+    ]
+    assert (adaptive.stats["draft_steps"] > 0) == drafts, adaptive.stats
 
 
 def test_rows_are_cut_below_a_cost_step():

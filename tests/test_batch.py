@@ -113,9 +113,10 @@ def check_caches(dec: Engine) -> None:
         kpos = prop.slot_positions()
         assert kpos.shape[0] == len(prop.pending) == len(dec.rows)
         for b, row in enumerate(dec.rows):
-            start, feats = prop.pending[b]
+            ctx = prop.pending[b]
+            assert sum(len(c) for c in ctx.chunks) == len(ctx) == (len(ctx.features()) if ctx.chunks else 0)
             live = sorted(p for p in kpos[b].tolist() if p != DEAD)
-            assert live + list(range(start, start + len(feats))) == list(range(row.anchor))
+            assert live + list(range(ctx.start, ctx.start + len(ctx))) == list(range(row.anchor))
 
 
 def plain_greedy(truth: list[int], cfg: GenerationConfig) -> list[int]:

@@ -327,3 +327,26 @@ def test_the_cache_keeps_its_slots_when_it_grows():
         la, lb = (t.forward(x, pos, c)[0] for t, c in zip((ref, run), caches, strict=True))
         assert_close(la, lb, ("growth", pos[0, 0].item()))
     assert caches[1].capacity == 2 * CHUNK
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_norms_give_the_bits_of_the_transformers_norms(dtype):
+    """The runner's RMSNorms (torch's fused kernel on float32 statistics) equal transformers' Llama and
+    Gemma 3 norms bitwise in every activation dtype: in bf16 the scaling must follow the cast back (Llama)
+    or precede it (Gemma 3), and the statistics stay float32 even for float64 inputs."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from flashdraft.models.runner import gemma, llama
+
+    torch.manual_seed(0)
+    for shape in [(1, 1, 64), (3, 5, 64), (2, 7, 576)]:
+        x = torch.randn(*shape, dtype=dtype) * 3
+        ref_l, ref_g = LlamaRMSNorm(shape[-1], eps=1e-6), Gemma3RMSNorm(shape[-1], eps=1e-6)
+        with torch.no_grad():
+            ref_l.weight.normal_()
+            ref_g.weight.normal_()
+        ref_l, ref_g = ref_l.to(dtype), ref_g.to(dtype)
+        with torch.no_grad():
+            assert torch.equal(llama.rms_norm(x, ref_l.weight, 1e-6), ref_l(x)), shape
+            assert torch.equal(gemma.rms_norm(x, gemma.norm_scale(ref_g, dtype), 1e-6), ref_g(x)), shape

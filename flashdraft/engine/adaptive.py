@@ -2,11 +2,13 @@
 the most committed tokens per second on this machine, with n-gram lookup as a free second proposer.
 
 Costs are measured, not assumed: a verify forward over n tokens (all rows together) takes what it took
-at that n, else a + b*n seconds fitted to the engine's own timings of speculative steps; a plain step (one token per row) is timed apart,
-since going from one token per row to a few costs more than b on CPUs (matrix-vector to matrix-matrix
-kernels); a draft call takes d. Acceptance is learned as it happens: the
-draft's confidence at a block position (the peak of its distribution there) is mapped to the chance that
-the verifier accepts that position, given it reached it, by a calibration table per confidence bin.
+at that n, else a + b*n seconds fitted to the engine's own timings of speculative steps; a plain step (one
+token per row) is timed apart, since going from one token per row to a few costs more than b on CPUs
+(matrix-vector to matrix-matrix kernels); a draft call takes d + e*m for the m tokens it runs (the rows'
+blocks and the context they committed since the last call: after many plain steps, catching up costs more
+than drafting). Acceptance is learned as it happens: the draft's confidence at a block position (the peak
+of its distribution there) is mapped to the chance that the verifier accepts that position, given it
+reached it, by a calibration table per confidence bin.
 
 - Cut: drafted token i is verified while the chance that tokens 1..i are all accepted, P_i, is worth its
   verify cost: P_i >= b * R, where R = B / plain(B) is the plain decoding rate of the B running rows. Then
@@ -17,11 +19,14 @@ the verifier accepts that position, given it reached it, by a calibration table 
   when the rows' expected gains together (each the running mean of its own past draft steps) are worth
   the draft call and the longer verify, against a plain step of the batch. When they are not, the batch
   steps plain (or n-gram where a context repeats) and tries the draft again after 1, 2, 4, ... 64 steps,
-  and every row updates its gain from that probe. A request starts with the typical gain of all requests
-  as its prior, worth one step; alone in the batch it starts a fresh probe schedule, its first step a
-  draft step, so one request where the draft does not pay (chat) does not make the next one (code,
-  maths) timid. Joining a batch it waits for the batch's next probe: there a probe drafts for every
-  row, and one row's first step must not cost the whole batch a draft call. What is a property of the
+  and every row updates its gain from that probe. A probe is made only where a draft step could pay at
+  all (every drafted token accepted) against the draft call as priced now, catch-up included: at 16 rows
+  the first draft call reads every prompt. A request starts with the typical gain of all requests as its
+  prior, worth one step (a row never measured counts as accepting whole blocks); alone in the batch it
+  starts a fresh probe schedule, its first step a draft step, so one request where the draft does not
+  pay (chat) does not make the next one (code, maths) timid. Joining a batch it waits for the batch's
+  next probe: there a probe drafts for every row, and one row's first step must not cost the whole
+  batch a draft call. What is a property of the
   machine and the draft (costs, the draft's calibration) is kept across requests; n-gram lookup's
   calibration is the request's own (whether a context repeats is the request's nature), its confidence
   the length of the n-gram that matched, and it starts from what n-gram lookup achieved across requests,
@@ -187,7 +192,8 @@ class AdaptiveProposer(Proposer):
         self.verify_cost = StepCost()  # speculative verify forwards
         self.plain_cost = LinearCost()  # steps that verified no proposal: one token per row
         self.prefill_cost = LinearCost()  # prefills: the only forwards timed before the first step
-        self.draft_s: float | None = None  # seconds of one draft call (EMA)
+        self.draft_cost = LinearCost()  # draft calls, by the tokens they ran (`Proposer.draft_tokens`)
+        self.draft_tokens = 0  # what this step's draft call runs
         self.calibration = Calibration()  # the draft's, across requests (n-gram lookup's is per request)
         self.ngram_typical = Calibration()  # n-gram lookup's across requests: a new request's prior
         self.rows: dict[Row, RowState] = {}  # the running rows only
@@ -280,27 +286,53 @@ class AdaptiveProposer(Proposer):
             p if len(p.tokens) <= best else _trim(p, c, best) for p, c in zip(picks, chances, strict=True)
         ]
 
-    def wants_draft(self, states: list[RowState]) -> bool:
+    def draft_s(self, tokens: int) -> float | None:
+        """Seconds of a draft call over `tokens` tokens: the line fitted to the draft calls timed; before
+        the first, the prefills' line scaled by the draft's relative cost per token; else None."""
+        fit = self.draft_cost.fit()
+        if fit is None:
+            ratio, pre = getattr(self.dflash, "relative_cost", None), self.prefill_cost.fit()
+            if ratio is None or pre is None:
+                return None
+            fit = (ratio * pre[0], ratio * pre[1])
+        return fit[0] + fit[1] * tokens
+
+    def wants_draft(self, states: list[RowState], draft_s: float | None) -> bool:
         """Whether a draft step is expected to commit more per second than a plain step for these rows: their
-        expected gains together against the draft call and the verify of their expected lengths."""
+        expected gains together against the draft call (`draft_s` seconds) and the verify of their expected
+        lengths. A row not measured yet counts as accepting a whole block."""
         if self.dflash is None:
             return False
         rows, costs = len(states), self.costs(len(states))
-        if any(s.gain is None for s in states) or self.draft_s is None or costs is None:
+        if draft_s is None or costs is None:
             return True  # nothing measured yet
-        gain = sum(s.gain for s in states)
-        tokens = rows + sum(s.verified for s in states)  # the costs at the neighbouring sizes, interpolated
+        whole = self.block_size - 1
+        gain = sum(whole if s.gain is None else s.gain for s in states)
+        tokens = rows + sum(whole if s.gain is None else s.verified for s in states)
         lo, hi = self.verify_s(int(tokens), rows), self.verify_s(int(tokens) + 1, rows)
-        verify = lo + (hi - lo) * (tokens - int(tokens))
-        return (rows + gain) / (self.draft_s + verify) > rows / costs[0]
+        verify = lo + (hi - lo) * (tokens - int(tokens))  # the costs at the neighbouring sizes, interpolated
+        return (rows + gain) / (draft_s + verify) > rows / costs[0]
+
+    def could_pay(self, rows: int, draft_s: float | None) -> bool:
+        """Whether a draft step could beat a plain step at all: every drafted token accepted, at the best
+        verify length, against the draft call as priced now (its catch-up with the context the rows
+        committed since the last call included). A probe that could not pay even so is not made: at 16
+        rows a fresh proposer's first draft call read every prompt (0.1-0.6 s against a 41 ms step)."""
+        return any(
+            self.wants_draft([RowState(gain=j, verified=j) for _ in range(rows)], draft_s)
+            for j in range(1, self.block_size)
+        )
 
     def propose(self, rows, ks):
+        self.draft_tokens = 0 if self.dflash is None else self.dflash.draft_tokens(ks)
+        draft_s = self.draft_s(self.draft_tokens)
         if len(rows) == 1 and rows[0] not in self.rows:  # a request alone: a fresh probe schedule
             self.rows = {rows[0]: self._new_row()}
-            self.wait, self.backoff = 0, (1 if self.wants_draft([self.rows[rows[0]]]) else EXPLORE)
+            self.wait, self.backoff = 0, (1 if self.wants_draft([self.rows[rows[0]]], draft_s) else EXPLORE)
         self.rows = {r: self.rows.get(r) or self._new_row() for r in rows}  # by Row: ids may be reused
+        probe = self.wait == 0 and self.could_pay(len(rows), draft_s)
         self.drafted = self.dflash is not None and (
-            self.wait == 0 or self.wants_draft(list(self.rows.values()))
+            probe or self.wants_draft(list(self.rows.values()), draft_s)
         )
         self.wait = max(0, self.wait - 1)
         ng = None
@@ -387,7 +419,7 @@ class AdaptiveProposer(Proposer):
         """After the verify: row b verified ks[b] drafted tokens and committed n[b]."""
         (self.plain_cost if verify_tokens == len(rows) else self.verify_cost).add(verify_tokens, verify_s)
         if self.drafted:
-            self.draft_s = draft_s if self.draft_s is None else 0.9 * self.draft_s + 0.1 * draft_s
+            self.draft_cost.add(self.draft_tokens, draft_s)
         for (source, conf, table), k, got in zip(self.last, ks, n, strict=True):
             if source != "none" and k:
                 table.update(conf, min(got - 1, k))
@@ -403,7 +435,8 @@ class AdaptiveProposer(Proposer):
             st.steps += 1
             _average(st, gain, used, max(0.2, 1 / (st.steps + 1)))
             _average(self.typical, gain, used, 0.05)
-        if self.wants_draft([self.rows[r] for r in rows]):
+        next_call = self.draft_s(self.dflash.draft_tokens(ks))  # the context is what this step committed
+        if self.wants_draft([self.rows[r] for r in rows], next_call):
             self.wait, self.backoff = 0, 1
         else:
             self.wait, self.backoff = self.backoff, min(64, 2 * self.backoff)

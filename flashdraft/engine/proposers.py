@@ -14,12 +14,17 @@ The engine owns the batch and tells its proposer what happens to it, in batch or
 - `observe(rows, ks, n, draft_s, verify_s, verify_tokens)`: how the step went (for adaptive proposers);
 - `timed(tokens, seconds)`: a prefill forward over `tokens` tokens took `seconds` (likewise).
 
+For proposers that price their own calls: `draft_tokens(ks)`, the tokens the next `propose` would run
+through the draft (what its cost follows), and `relative_cost`, a drafted token's cost relative to a
+target token's (None: unknown), which prices a draft call before one is timed.
+
 Stateless proposers only write `propose_row(row, k)`; the base class asks them row by row.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +40,7 @@ NOTHING = torch.zeros(0, dtype=torch.long)
 class Proposer:
     feature_layers: list[int] | None = None  # target layers whose features join/accept receive
     block_size = 16
+    relative_cost: float | None = None  # a drafted token's cost over a target token's; None: unknown
 
     def reset(self) -> None:
         pass
@@ -47,6 +53,10 @@ class Proposer:
 
     def propose_row(self, row: Row, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
+
+    def draft_tokens(self, ks: list[int]) -> int:
+        """Tokens a `propose(rows, ks)` now would run through its model: the blocks."""
+        return sum(k + 1 for k in ks)
 
     def accept(self, features: torch.Tensor | None, n: list[int]) -> None:
         pass
@@ -112,6 +122,23 @@ class NgramProposer(Proposer):
         return seq, after
 
 
+@dataclass
+class Context:
+    """A row's context that the draft has not read yet: the position of its first token and the target
+    features of its tokens, in the chunks they came in. Kept as chunks because a batch where drafting does
+    not pay steps plain for up to 64 steps between draft calls: appending each step's features to one
+    tensor copied the whole context every step (16 rows of 200 tokens: about 20 MB a step)."""
+
+    start: int
+    chunks: list[torch.Tensor] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return sum(c.shape[0] for c in self.chunks)
+
+    def features(self) -> torch.Tensor:
+        return self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
+
+
 class DFlashProposer(Proposer):
     """Drafts every row's block in one pass of a DFlash draft that reads the target's features.
 
@@ -145,6 +172,8 @@ class DFlashProposer(Proposer):
         self.window = draft.config.sliding_window if "sliding_attention" in draft.config.layer_types else None
         self.compactions = 0
         self.last_logits: torch.Tensor | None = None
+        # The draft's layers against the target's: a cost ratio per token, until a draft call is timed.
+        self.relative_cost = draft.config.num_hidden_layers / target.num_layers
         self.reset()
 
     def reset(self):
@@ -153,7 +182,7 @@ class DFlashProposer(Proposer):
         self.kpos: torch.Tensor | None = (
             None  # (B, S) slot positions; None while every slot i holds position i
         )
-        self.pending: list[tuple[int, torch.Tensor]] = []  # per row: (first position, features)
+        self.pending: list[Context] = []  # per row: the context the draft has not read yet
         self.aligned = True  # also the pending context: every row's starts at the same position, same length
 
     def _contexts(self, rows) -> list[torch.Tensor]:
@@ -179,14 +208,19 @@ class DFlashProposer(Proposer):
         if not self.pending:  # an empty batch starts over, aligned
             self.reset()
             self.aligned = len({f.shape[0] for f in features}) == 1
-            self.pending = [(0, f) for f in features]
+            self.pending = [Context(0, [f]) for f in features]
             return
         n, length = len(rows), self.cache.length
         map_draft_cache(self.cache, lambda t: torch.cat([t, t.new_zeros(n, *t.shape[1:])]))
         kpos = self.slot_positions()
         self.kpos = torch.cat([kpos, kpos.new_full((n, length), DEAD)])
-        self.pending += [(0, f) for f in features]
+        self.pending += [Context(0, [f]) for f in features]
         self.aligned = False
+
+    def draft_tokens(self, ks):
+        """The rows' unread context, padded to the longest, and their blocks: after many plain steps in a
+        batch, most of a draft call's cost is catching up with the context."""
+        return len(ks) * (max((len(c) for c in self.pending), default=0) + max(ks) + 1)
 
     def keep(self, index):
         if not index:
@@ -201,9 +235,8 @@ class DFlashProposer(Proposer):
     def accept(self, features, n):
         if len(set(n)) > 1:
             self.aligned = False
-        self.pending = [
-            (start, torch.cat([f, features[b, : n[b]]])) for b, (start, f) in enumerate(self.pending)
-        ]
+        for b, ctx in enumerate(self.pending):
+            ctx.chunks.append(features[b, : n[b]])
 
     def propose(self, rows, ks):
         device, n_rows, k_max = self.target.device, len(rows), max(ks)
@@ -213,13 +246,14 @@ class DFlashProposer(Proposer):
             self.kpos, self.cache.length = self.kpos.gather(1, order), n_live
             self.compactions += 1
         # New context, padded to the longest row; its positions continue where each row's cache ends.
-        lens = [f.shape[0] for _, f in self.pending]
+        feats = [c.features() for c in self.pending]
+        lens = [f.shape[0] for f in feats]
         c_len = max(lens)
         if n_rows == 1:
-            ctx = self.pending[0][1][None]
+            ctx = feats[0][None]
         else:
-            ctx = self.pending[0][1].new_zeros(n_rows, c_len, self.pending[0][1].shape[1])
-            for b, (_, f) in enumerate(self.pending):
+            ctx = feats[0].new_zeros(n_rows, c_len, feats[0].shape[1])
+            for b, f in enumerate(feats):
                 ctx[b, : f.shape[0]] = f
         # Block [anchor, MASK...] of the longest row's length; slots past a row's own k are dead for it.
         block = torch.full((n_rows, k_max + 1), self.mask_id, dtype=torch.long, device=device)
@@ -237,7 +271,7 @@ class DFlashProposer(Proposer):
             ctx_pos, blk_pos, mask = pos[:, :c_len], pos[:, c_len:], None
         else:
             c_steps = torch.arange(c_len, device=device)
-            ctx_pos = torch.tensor([s for s, _ in self.pending], device=device)[:, None] + c_steps
+            ctx_pos = torch.tensor([c.start for c in self.pending], device=device)[:, None] + c_steps
             ctx_kpos = torch.where(c_steps < torch.tensor(lens, device=device)[:, None], ctx_pos, DEAD)
             steps = torch.arange(k_max + 1, device=device)
             blk_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + steps
@@ -250,7 +284,7 @@ class DFlashProposer(Proposer):
         hidden = self.draft(embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask)
         if not self.aligned:  # aligned context stays aligned in the cache, whatever the block's mask was
             self.kpos = kpos[:, : self.cache.length]
-        self.pending = [(r.anchor, ctx.new_zeros(0, ctx.shape[2])) for r in rows]  # next: committed tokens
+        self.pending = [Context(r.anchor) for r in rows]  # next: the committed tokens
         context = self._contexts(rows) if self.context_vocab else None
         logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head, context)
         self.last_logits = logits  # (B, k_max, V), for inspection (tests compare them across batch sizes)

@@ -31,9 +31,7 @@ KINDS = ("sliding_attention", "full_attention")
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma3RMSNorm, with `scale` = 1 + weight in float32 (`norm_scale`): statistics and scaling in
     float32 (even for float64 inputs), then the cast back."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * scale).type_as(x)
+    return F.rms_norm(x.float(), x.shape[-1:], scale, eps).type_as(x)
 
 
 def norm_scale(norm: nn.Module, dtype: torch.dtype) -> torch.Tensor:
