@@ -319,7 +319,7 @@ class AdaptiveProposer(Proposer):
         committed since the last call included). A probe that could not pay even so is not made: at 16
         rows a fresh proposer's first draft call read every prompt (0.1-0.6 s against a 41 ms step)."""
         return any(
-            self.wants_draft([RowState(gain=j, verified=j) for _ in range(rows)], draft_s)
+            self.wants_draft([RowState(gain=j, verified=j)] * rows, draft_s)
             for j in range(1, self.block_size)
         )
 

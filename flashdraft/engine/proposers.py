@@ -131,9 +131,17 @@ class Context:
 
     start: int
     chunks: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0  # tokens in the chunks, kept as they come (a draft call is priced by it every step)
+
+    def __post_init__(self):
+        self.length = sum(c.shape[0] for c in self.chunks)
 
     def __len__(self) -> int:
-        return sum(c.shape[0] for c in self.chunks)
+        return self.length
+
+    def add(self, chunk: torch.Tensor) -> None:
+        self.chunks.append(chunk)
+        self.length += chunk.shape[0]
 
     def features(self) -> torch.Tensor:
         return self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
@@ -236,7 +244,7 @@ class DFlashProposer(Proposer):
         if len(set(n)) > 1:
             self.aligned = False
         for b, ctx in enumerate(self.pending):
-            ctx.chunks.append(features[b, : n[b]])
+            ctx.add(features[b, : n[b]])
 
     def propose(self, rows, ks):
         device, n_rows, k_max = self.target.device, len(rows), max(ks)
