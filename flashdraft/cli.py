@@ -245,6 +245,7 @@ def cmd_datagen(args) -> int:
         seed=args.seed,
         limit=args.limit,
         max_prompt_tokens=args.max_prompt_tokens,
+        max_minutes=args.max_minutes,
         endpoint=args.endpoint,
         model=args.model,
         dtype=args.dtype,
@@ -454,6 +455,12 @@ def _add_datagen(sub) -> None:
         default=None,
         help="skip prompts longer than N tokens (chat template included): long prompts cost prefill "
         "time and memory for the same answer tokens",
+    )
+    d.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop answering after this many minutes (rows still decoding are dropped); rerun to continue",
     )
     d.add_argument(
         "--endpoint", help="URL of an OpenAI-compatible server (vLLM, SGLang, ...) to generate with"

@@ -52,6 +52,11 @@ class Example:
     category: str | None = None
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
+    def asked(self) -> list[dict[str, str]]:
+        """The messages of the turn this example asks: turn 1, or for a later turn of a recorded
+        conversation (`meta["answers"]`) its last turn after the recorded answers to the earlier ones."""
+        return self.messages(self.meta.get("answers", ()))
+
     def messages(self, answers: Sequence[str] = ()) -> list[dict[str, str]]:
         """Chat messages that ask turn `len(answers) + 1`: each earlier user turn followed by the
         model's own answer to it. `ex.messages()` asks turn 1; `ex.messages([a1])` asks turn 2."""
@@ -516,11 +521,15 @@ def load_dataset(name: str, limit: int | None = None, seed: int = 0) -> list[Exa
 
 
 def write_prompts(examples: Sequence[Example], path: str | Path) -> None:
-    """Examples as JSON lines ({"id", "dataset", "turns"}), readable by `load_dataset(path)` where the
-    source packages are not installed (a GPU box without network)."""
+    """Examples as JSON lines ({"id", "dataset", "turns"}, and "answers" for a later turn of a recorded
+    conversation: the recorded answers to all turns but the last), readable by `load_dataset(path)` where
+    the source packages are not installed (a GPU box without network)."""
     with Path(path).open("w", encoding="utf-8") as f:
         for ex in examples:
-            f.write(json.dumps({"id": ex.id, "dataset": ex.dataset, "turns": list(ex.turns)}) + "\n")
+            rec = {"id": ex.id, "dataset": ex.dataset, "turns": list(ex.turns)}
+            if ex.meta.get("answers"):
+                rec["answers"] = list(ex.meta["answers"])
+            f.write(json.dumps(rec) + "\n")
 
 
 def read_prompts(path: str | Path) -> list[Example]:
@@ -535,7 +544,12 @@ def read_prompts(path: str | Path) -> list[Example]:
             ) from None
         try:
             d = json.loads(line)
-            out.append(Example(str(d["id"]), str(d["dataset"]), tuple(str(t) for t in d["turns"])))
+            turns = tuple(str(t) for t in d["turns"])
+            answers = tuple(str(a) for a in d.get("answers") or ())
+            if len(answers) >= len(turns):
+                raise ValueError(f"{len(answers)} answers for {len(turns)} turns: at most one fewer")
+            meta = {"answers": answers} if answers else {}
+            out.append(Example(str(d["id"]), str(d["dataset"]), turns, meta=meta))
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path} line {n} is not a prompt record {{id, dataset, turns}} ({e})") from None
     return out

@@ -462,3 +462,43 @@ def test_pack_round_trips_and_train_reads_it(tmp_path):
     (tmp_path / "bad.npz").write_bytes(raw[: len(raw) // 2])
     with pytest.raises(DataGenError, match="not a packed token file"):
         list(read_packed(tmp_path / "bad.npz"))
+
+
+def test_a_later_turn_is_asked_after_its_recorded_history(tiny, tmp_path):
+    """A prompt file's later turn of a recorded conversation (scripts/export_prompts.py's ShareGPT turns)
+    is answered after the earlier turns and their recorded answers, not as a first turn alone."""
+    from flashdraft.data import Example, write_prompts
+
+    d, _, tok, _ = tiny
+    turns = ("Name a prime number.", "Now name a larger one.")
+    ex = Example("sharegpt/x@2", "sharegpt", turns, meta={"answers": ("Seven.",)})
+    prompts = tmp_path / "turns.jsonl"
+    write_prompts([ex], prompts)
+    out = tmp_path / "turns-out.jsonl"
+    run_datagen(_cfg(d, out, datasets=[str(prompts)], max_new_tokens=2))
+    (rec,) = read_records(out, vocab_size=VOCAB)
+    history = [
+        {"role": "user", "content": turns[0]},
+        {"role": "assistant", "content": "Seven."},
+        {"role": "user", "content": turns[1]},
+    ]
+    want = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert rec["prompt_ids"] == list(want)
+
+
+def test_max_minutes_stops_answering_and_a_rerun_continues(tiny, tmp_path, monkeypatch):
+    """--max-minutes ends the run with the prompts left counted; a rerun answers the rest."""
+    import flashdraft.train.datagen as dg
+
+    d, _, _, _ = tiny
+    clock = iter(range(0, 10**6, 10))  # every reading of the budget's clock is 10 s after the last
+    monkeypatch.setattr(dg, "_clock", lambda: float(next(clock)))
+    out = tmp_path / "timed.jsonl"
+    first = run_datagen(_cfg(d, out, max_new_tokens=8, batch_size=2, max_minutes=1.0))
+    assert 0 < first.unanswered < 8 and first.written + first.unanswered == 8
+    assert "left at --max-minutes" in first.line()
+    second = run_datagen(_cfg(d, out, max_new_tokens=8, batch_size=2))
+    assert second.skipped == first.written and second.unanswered == 0
+    assert len(list(read_records(out, vocab_size=VOCAB))) == 8
+    with pytest.raises(DataGenError, match="--max-minutes must be > 0"):
+        run_datagen(_cfg(d, tmp_path / "z.jsonl", max_minutes=0))

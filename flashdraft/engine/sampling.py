@@ -133,7 +133,8 @@ def verify_sampling(
     k = draft.shape[1]
     p_x = p[:, :k].gather(-1, draft[..., None])[..., 0]
     q_x = torch.ones_like(p_x) if q is None else q.gather(-1, draft[..., None])[..., 0]
-    u = torch.rand(p_x.shape, generator=generator, dtype=p_x.dtype)
+    # On the row's device, where its generator lives (an H200 datagen at temperature > 0 failed here).
+    u = torch.rand(p_x.shape, generator=generator, dtype=p_x.dtype, device=p_x.device)
     a = int((u * q_x < p_x).cumprod(-1).sum())
     if a == k:
         return a, sample(p[0, k], generator)

@@ -77,6 +77,7 @@ class DatagenConfig:
     seed: int = 0
     limit: int | None = None
     max_prompt_tokens: int | None = None  # skip longer prompts: short ones make tokens per second
+    max_minutes: float | None = None  # stop answering after this long (a rerun continues the file)
     endpoint: str | None = None
     model: str | None = None  # the model name sent to the endpoint (default: the target name)
     dtype: str = "auto"
@@ -105,6 +106,7 @@ class DatagenSummary:
     over_cap: int = 0  # prompts longer than --max-prompt-tokens
     duplicates: int = 0  # the same id in two of the requested data sets
     repaired_bytes: int = 0  # partial last line dropped
+    unanswered: int = 0  # prompts left when --max-minutes ended the run (a rerun answers them)
     response_tokens: int = 0
     seconds: float = 0.0
 
@@ -122,6 +124,8 @@ class DatagenSummary:
             extra.append(f"{self.duplicates} duplicate ids across data sets")
         if self.repaired_bytes:
             extra.append(f"dropped a partial last line of {self.repaired_bytes} bytes")
+        if self.unanswered:
+            extra.append(f"{self.unanswered} prompts left at --max-minutes (rerun to answer them)")
         return (
             f"datagen: wrote {self.written} records to {self.out} ({self.stop} stop, {self.length} length; "
             f"{'; '.join(extra)}): {self.response_tokens} response tokens in {self.seconds:.1f} s = "
@@ -345,7 +349,8 @@ def _check_meta(out: Path, old: dict, new: dict) -> None:
 
 
 def load_prompts(datasets: Sequence[str], limit: int | None, seed: int) -> tuple[list[_Prompt], int]:
-    """The first user turn of every example of the data sets, in order, and how many duplicate ids
+    """The asked turn of every example of the data sets (`Example.asked`: the first user turn, or the last
+    one of a recorded conversation's later turn), in order, and how many duplicate ids
     (the same prompt in two of the sets, say sharegpt and sharegpt-train) were dropped."""
     from flashdraft.data import load_dataset
 
@@ -363,7 +368,7 @@ def load_prompts(datasets: Sequence[str], limit: int | None, seed: int) -> tuple
                 dups += 1
                 continue
             seen.add(ex.id)
-            prompts.append(_Prompt(ex.id, name, ex.messages()))
+            prompts.append(_Prompt(ex.id, name, ex.asked()))
     return prompts, dups
 
 
@@ -446,14 +451,22 @@ def _seed_for(seed: int, first_id: str) -> int:
 
 
 def _generate_local(
-    target, prompts: list[_Prompt], cfg: DatagenConfig, emit: Callable, on_tokens: Callable[[int], None]
+    target,
+    prompts: list[_Prompt],
+    cfg: DatagenConfig,
+    emit: Callable,
+    on_tokens: Callable[[int], None],
+    out_of_time: Callable[[], bool],
 ) -> None:
     """The target answers every prompt through the project's own batched decoder (block size 1:
     plain decoding): a row that finishes leaves the batch at once and the next prompt takes its
     slot, so no step is spent on padding or on rows already done (HF `generate` keeps decoding
     finished rows until the longest one ends). Only our sampling settings apply, so the draft
     learns the plain distribution it will be verified against; each prompt samples from its own
-    seed, so its answer does not depend on its batch-mates."""
+    seed, so its answer does not depend on its batch-mates. The longest prompts go first (a batch that
+    does not fit in memory fails at once, not hours in), then the rest in the caller's order, so that a
+    run cut short by `out_of_time` has answered the first prompts of the file, not only long ones; rows
+    still decoding then are dropped (a rerun answers them)."""
     from flashdraft.engine.engine import Engine
     from flashdraft.engine.sampling import SamplingConfig
     from flashdraft.engine.sequence import GenerationConfig
@@ -463,8 +476,8 @@ def _generate_local(
         SamplingConfig() if greedy else SamplingConfig(cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     )
     decoder = Engine(target, block_size=1, max_batch_size=cfg.batch_size)
-    # Long prompts first: a batch that does not fit in memory fails at once, not hours in.
-    by_id = {p.id: p for p in sorted(prompts, key=lambda p: -len(p.prompt_ids))}
+    longest = sorted(prompts, key=lambda p: -len(p.prompt_ids))[: cfg.batch_size]
+    by_id = {p.id: p for p in longest + prompts}
     for p in by_id.values():
         run = GenerationConfig(
             max_new_tokens=cfg.max_new_tokens,
@@ -475,7 +488,7 @@ def _generate_local(
         )
         decoder.add(p.id, p.prompt_ids, run)
     answers: dict[str, list[int]] = {}
-    while decoder.pending():
+    while decoder.pending() and not out_of_time():
         outs = decoder.step()
         on_tokens(sum(len(out.tokens) for out in outs))  # progress within a batch, long before a row ends
         for out in outs:
@@ -533,6 +546,7 @@ def _generate_endpoint(
     cfg: DatagenConfig,
     emit: Callable,
     on_tokens: Callable[[int], None],
+    out_of_time: Callable[[], bool],
 ) -> None:
     url = _chat_url(cfg.endpoint)
     stop_token = stop_ids[0] if stop_ids else None
@@ -575,7 +589,7 @@ def _generate_endpoint(
     queue = iter(prompts)
     try:
         while True:
-            while len(pending) < 2 * workers:
+            while len(pending) < 2 * workers and not out_of_time():  # those in flight still finish
                 p = next(queue, None)
                 if p is None:
                     break
@@ -603,6 +617,8 @@ def _check_config(cfg: DatagenConfig) -> list[str]:
         raise DataGenError(f"--batch-size must be >= 1, got {cfg.batch_size}")
     if cfg.max_prompt_tokens is not None and cfg.max_prompt_tokens < 1:
         raise DataGenError(f"--max-prompt-tokens must be >= 1, got {cfg.max_prompt_tokens}")
+    if cfg.max_minutes is not None and not cfg.max_minutes > 0:
+        raise DataGenError(f"--max-minutes must be > 0, got {cfg.max_minutes}")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise DataGenError("need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0")
 
@@ -733,6 +749,11 @@ def run_datagen(cfg: DatagenConfig) -> DatagenSummary:
     return summary
 
 
+def _clock() -> float:
+    """The clock of --max-minutes (its own name, so a test can run it fast)."""
+    return time.perf_counter()
+
+
 def _run(target, tokenizer, stop_ids, prompts, cfg, out: Path, summary: DatagenSummary) -> None:
     from tqdm import tqdm
 
@@ -747,6 +768,10 @@ def _run(target, tokenizer, stop_ids, prompts, cfg, out: Path, summary: DatagenS
     )
     start = time.perf_counter()
     generated, shown = 0, start
+    deadline = None if cfg.max_minutes is None else _clock() + 60 * cfg.max_minutes
+
+    def out_of_time() -> bool:
+        return deadline is not None and _clock() > deadline
 
     def emit(rec: dict) -> None:
         writer.write(rec)
@@ -771,11 +796,12 @@ def _run(target, tokenizer, stop_ids, prompts, cfg, out: Path, summary: DatagenS
     try:
         if prompts:
             if cfg.endpoint:
-                _generate_endpoint(tokenizer, stop_ids, prompts, cfg, emit, on_tokens)
+                _generate_endpoint(tokenizer, stop_ids, prompts, cfg, emit, on_tokens, out_of_time)
             else:
-                _generate_local(target, prompts, cfg, emit, on_tokens)
+                _generate_local(target, prompts, cfg, emit, on_tokens, out_of_time)
     finally:
         summary.seconds = time.perf_counter() - start
+        summary.unanswered = len(prompts) - summary.written
         bar.close()
         writer.close()
 
