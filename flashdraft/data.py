@@ -182,7 +182,7 @@ def _sharegpt_later_turns() -> tuple[tuple[Example, str], ...]:
     """(conversation so far, recorded answer) pairs for turns 2, 3, ... of the training split's
     conversations (the split of a conversation is its first prompt's, so no evaluation conversation
     contributes). Each pair keeps the most recent earlier exchanges that fit `SHAREGPT_HISTORY_CHARS`
-    (`meta["answers"]` holds their answers, for `Example.messages`), so a long conversation still
+    (`meta["answers"]` holds their answers, for `Example.asked`), so a long conversation still
     leaves room for its answer within a training sequence."""
     out = []
     for conv in sharegpt_conversations():

@@ -52,7 +52,7 @@ def corpus_records(
     for ex, answer in tqdm(
         pairs, desc=f"tokenizing {name}", unit="pair", leave=False, disable=len(pairs) < 500
     ):
-        msgs = ex.messages(ex.meta.get("answers", ()))
+        msgs = ex.asked()
         prompt = chat_ids(tokenizer, msgs, template_kwargs)
         full = chat_ids(tokenizer, msgs + [{"role": "assistant", "content": answer}], template_kwargs, False)
         if full[: len(prompt)] == prompt:
