@@ -98,6 +98,9 @@ EXEMPT = {
     "# sitting 21 (data as in sitting 20; the four regenerated files' shares follow their budget)": (
         "a 95-minute sitting of the training campaign"
     ),
+    "# sitting 22 (machine alone, 2 threads: 20 minutes of datagen, 75 of training)": (
+        "20 minutes of datagen and a 75-minute sitting of the training campaign"
+    ),
     "SET=budget scripts/recipes.sh DATA runs/recipes-budget 30   # DATA: the eight files above, comma-separated": (
         "eight 30-minute training runs and their table"
     ),
