@@ -54,7 +54,9 @@ def main() -> int:
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"loading {TARGET} (converted from its GGUF on first use) ...", flush=True)
-    target = load_target(TARGET)  # the native runner, int8 weights in bf16 where the CPU has it, else float32
+    # The native runner: the GGUF's own Q4_1 layers and Q8_0 head on our kernels, in bf16 where the CPU
+    # has it; dense float32 elsewhere.
+    target = load_target(TARGET)
     if (args.draft / "config.json").is_file():
         draft, which = DFlashDraft.from_pretrained(args.draft, dtype=target.dtype), f"draft {args.draft}"
     else:

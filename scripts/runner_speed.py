@@ -1,11 +1,15 @@
-"""How fast is a decode step of the native runner against the transformers target? (Not a test.)
+"""How fast are the native runner's forwards, weights by weights, against the transformers target? (Not a test.)
 
-    python scripts/runner_speed.py [--target smollm2-135m-instruct] [--rounds 15] [--steps 8]
+    python scripts/runner_speed.py [--target smollm2-135m-instruct] [--rounds 10] [--steps 6]
+        [--variants transformers,int8,q8_0,q4_1+q8_0]
 
-Times one-token steps (and 8-token verifies) over a cache of ~200 tokens, for the transformers target in
-bf16 and the runner in bf16, int8 and int4 weights. The variants run interleaved, round after round
-(this kind of VM drifts by 15-25% over minutes), and the table shows medians. Each timed forward is
-cropped back, so the cache stays at the same length, as the engine's verify steps are.
+Times, over a cache of ~200 tokens: a one-token step, verifies of 4, 8 and 16 tokens, a step of a
+batch of 8 rows, and a prompt of 512 tokens from an empty cache. Variants: `transformers` (bf16), or
+the runner's weights: none (dense bf16), int8 / int4 (torch's kernels), q8_0 / q4_1 (ours; `L+H`
+for layers and head apart, e.g. q4_1+q8_0, the built-in SmolLM2's own GGUF types). They run
+interleaved, round after round (this kind of VM drifts by 15-25% over minutes), and the table shows
+medians. Each timed forward is cropped back, so the cache stays at the same length, as the engine's
+verify steps are.
 """
 
 from __future__ import annotations
@@ -17,50 +21,76 @@ import time
 import torch
 
 from flashdraft.models.load import load_target
-from flashdraft.models.runner import RunnerTarget
+from flashdraft.models.runner import Quantization, RunnerTarget, kernels
+
+SHAPES = {"step": (1, 1), "verify-4": (1, 4), "verify-8": (1, 8), "verify-16": (1, 16), "batch-8": (8, 1)}
+
+
+def build(ref, spec: str):
+    if spec == "transformers":
+        return ref
+    layers, _, head = spec.partition("+")
+    plan = Quantization(layers, head or layers)
+    return RunnerTarget.from_target(ref, plan, torch.bfloat16)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=8, help="timed forwards per variant and round")
+    ap.add_argument("--prompt", type=int, default=512, help="tokens of the timed prompt")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=6, help="timed forwards per variant, shape and round")
+    ap.add_argument("--variants", default="transformers,int8,q8_0,q4_1+q8_0")
     args = ap.parse_args()
     ref = load_target(args.target, dtype=torch.bfloat16, runner="transformers")
-    variants = {"transformers bf16": ref}
-    for q in ("none", "int8", "int4"):
+    variants = {}
+    for spec in args.variants.split(","):
         t0 = time.perf_counter()
-        variants[f"runner {'bf16' if q == 'none' else q}"] = RunnerTarget.from_target(ref, q, torch.bfloat16)
-        print(f"built runner {q} in {time.perf_counter() - t0:.1f}s", flush=True)
+        variants[spec] = build(ref, spec)
+        print(f"built {spec} in {time.perf_counter() - t0:.1f}s", flush=True)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, ref.vocab_size, (1, args.context), generator=g)
-    block = torch.randint(0, ref.vocab_size, (1, 8), generator=g)
-    caches = {}
+    prompt = torch.randint(0, ref.vocab_size, (8, max(args.context, args.prompt)), generator=g)
+    new = torch.randint(0, ref.vocab_size, (8, 16), generator=g)
+    caches = {}  # (variant, rows) -> a cache holding the context
+    times = {(name, s): [] for name in variants for s in [*SHAPES, "prompt"]}
     with torch.inference_mode():
         for name, t in variants.items():
-            caches[name] = t.new_cache(sliding=False)
-            t.forward(prompt, torch.arange(args.context)[None], caches[name])
-        times = {(name, m): [] for name in variants for m in (1, 8)}
+            for b in (1, 8):
+                caches[name, b] = c = t.new_cache(sliding=False)
+                t.forward(prompt[:b, : args.context], torch.arange(args.context).expand(b, -1), c)
         for _ in range(args.rounds):
             for name, t in variants.items():
-                for m in (1, 8):
+                for shape, (b, m) in SHAPES.items():
+                    c = caches[name, b]
                     for _ in range(args.steps):
+                        pos = torch.arange(args.context, args.context + m).expand(b, -1)
                         t0 = time.perf_counter()
-                        t.forward(
-                            block[:, :m], torch.arange(args.context, args.context + m)[None], caches[name]
-                        )
-                        times[name, m].append(time.perf_counter() - t0)
-                        t.crop(caches[name], args.context)
+                        t.forward(new[:b, :m], pos, c)
+                        times[name, shape].append(time.perf_counter() - t0)
+                        t.crop(c, args.context)
+                fresh = t.new_cache(sliding=False)
+                t0 = time.perf_counter()
+                t.forward(prompt[:1, : args.prompt], torch.arange(args.prompt)[None], fresh)
+                times[name, "prompt"].append(time.perf_counter() - t0)
     print(
         f"\n{args.target}, {torch.get_num_threads()} threads, {args.context} cached tokens, medians of "
-        f"{args.rounds * args.steps} forwards\n"
+        f"{args.rounds * args.steps} forwards (prompt: of {args.rounds}); our kernels' path: "
+        f"{kernels.best() if kernels.available() else 'not built'}\n"
     )
-    print(f"| {'target':<18} | step ms | tok/s | verify-8 ms | verify / step |")
-    print(f"|{'-' * 20}|---------|-------|-------------|---------------|")
+    cols = [*SHAPES, "prompt"]
+    print(
+        f"| {'variant':<16} | "
+        + " | ".join(f"{c} ms" for c in cols)
+        + " | verify-8 / step | verify-16 / step |"
+    )
+    print(f"|{'-' * 18}|" + "|".join("-" * (len(c) + 5) for c in cols) + "|---|---|")
     for name in variants:
-        one, eight = (statistics.median(times[name, m]) * 1e3 for m in (1, 8))
-        print(f"| {name:<18} | {one:7.1f} | {1e3 / one:5.1f} | {eight:11.1f} | {eight / one:13.2f} |")
+        ms = {c: statistics.median(times[name, c]) * 1e3 for c in cols}
+        row = " | ".join(f"{ms[c]:{len(c) + 3}.1f}" for c in cols)
+        print(
+            f"| {name:<16} | {row} | {ms['verify-8'] / ms['step']:.2f} | {ms['verify-16'] / ms['step']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

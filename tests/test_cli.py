@@ -11,6 +11,7 @@ from conftest import make_hf_model
 
 from flashdraft import DFlashDraft
 from flashdraft.cli import main
+from flashdraft.models.runner import kernels
 
 
 def run(*args, ok=True):
@@ -272,7 +273,7 @@ def test_export_to_transformers_gives_our_tokens_in_stock_generate(dirs, tmp_pat
 def test_generate_reports_what_runs_and_warns_where_it_is_not_exact(dirs):
     """The JSON names device, dtype and runner; the one-line note appears exactly for the settings whose
     verify rounds differently from one-token steps (bf16 without quantized weights), not for the
-    default bf16 (native runner, int8) nor for float64."""
+    default bf16 (native runner, q8_0 on our kernels) nor for float64."""
     target, draft = dirs
     common = ["generate", "--target", str(target), "--prompt-ids", "3,17,42", "--max-new-tokens", "4"]
     common += ["--draft", str(draft), "--json"]
@@ -281,7 +282,8 @@ def test_generate_reports_what_runs_and_warns_where_it_is_not_exact(dirs):
     assert out["device"] == "cpu" and out["dtype"] == "float64" and "note:" not in exact.stderr
     assert out["runner"] == "native runner, dense weights, float64"
     default = run(*common, "--dtype", "bfloat16")
-    assert json.loads(default.stdout)["runner"] == "native runner, int8 weights, bfloat16"
+    ours = "q8_0" if kernels.available() else "int8"  # torch's int8 where no compiler is found
+    assert json.loads(default.stdout)["runner"] == f"native runner, {ours} weights, bfloat16"
     assert "note:" not in default.stderr
     for extra, what in (
         (["--quantize", "none"], "native runner, dense weights, bfloat16"),

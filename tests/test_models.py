@@ -19,6 +19,7 @@ from flashdraft import cli
 from flashdraft.engine.decode import GenerationConfig, generate
 from flashdraft.models import load as models
 from flashdraft.models.load import GgufSource, ModelError, load_target
+from flashdraft.models.runner import Quantization, kernels
 from flashdraft.models.target import Target, TargetError, resolve_dtype
 
 SMOL = "smollm2-135m-instruct"
@@ -51,16 +52,31 @@ def _sha(path: Path) -> str:
 
 
 def test_smollm2_answers_paris_with_chat_template(smollm2):
+    """On the GGUF's own values (dense float32). Its first token is a near-tie ("The" 25.33 against "L"
+    25.24): the default, whose activations are quantized to int8 as llama.cpp's are, starts "L'Étoile"."""
     assert smollm2.dtype == resolve_dtype("auto") and smollm2.num_layers == 30 and smollm2.stop_ids == [2]
-    ids = smollm2.tokenizer.apply_chat_template(
+    dense = load_target(SMOL, "float32")
+    ids = dense.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
         tokenize=True,
         return_dict=False,
     )
-    res = generate(smollm2, ids, None, GenerationConfig(max_new_tokens=24, stop_ids=smollm2.stop_ids))
-    text = smollm2.tokenizer.decode(res.tokens, skip_special_tokens=True)
+    res = generate(dense, ids, None, GenerationConfig(max_new_tokens=24, stop_ids=dense.stop_ids))
+    text = dense.tokenizer.decode(res.tokens, skip_special_tokens=True)
     assert "Paris" in text, text
+
+
+def test_smollm2_keeps_its_ggufs_own_weight_types(smollm2):
+    """The conversion records the GGUF's types; `--quantize auto` runs them as stored (Q4_1 layers, the
+    Q8_0 embedding as the head) where the default is quantized (bf16), dense otherwise."""
+    manifest = json.loads((models.cache_dir(SMOL) / models.MANIFEST_NAME).read_text())
+    assert manifest["gguf_types"] == {"layers": ["Q4_1"], "head": "Q8_0"}
+    quantized = smollm2.dtype == torch.bfloat16
+    own = Quantization("q4_1", "q8_0") if kernels.available() else Quantization("int8", "int8")
+    assert smollm2.quantization == (own if quantized else Quantization())
+    assert models.native_quantization(models.cache_dir(SMOL)) == Quantization("q4_1", "q8_0")
+    assert models.native_quantization(Path("/nonexistent")) is None
 
 
 def test_cached_load_skips_conversion_and_damaged_cache_is_reconverted(
@@ -288,6 +304,48 @@ def test_gemma_gguf_assembles_and_is_gemma3(tmp_path):
     assert src.sha256 and _sha(src.path) == src.sha256
     header = _gguf_header(src.path, {"general.architecture", "gemma3.block_count"})
     assert header == {"general.architecture": "gemma3", "gemma3.block_count": 18}
+    # Q4_K_M keeps most of its layer matrices at 5 to 8 bits: q4_1 would drop bits it has.
+    types = models.gguf_weight_types(src.path)
+    assert types == {"layers": ["Q4_K", "Q5_0", "Q6_K", "Q8_0"], "head": "Q8_0"}
+    assert models.gguf_quantization(types) == Quantization("q8_0", "q8_0")
+
+
+def test_smollm2s_q4_1_layers_and_q8_0_head_are_the_ggufs_own_values(smollm2):
+    """Every block our kernels run dequantizes to the very float32 values the GGUF gives (the converted
+    checkpoint): the default runs the file's Q4_1 layers and Q8_0 head as stored."""
+    from safetensors.torch import load_file
+
+    if smollm2.dtype != torch.bfloat16 or not kernels.available():
+        pytest.skip("the default is dense on CPUs without native bf16, torch's int8 without a compiler")
+    saved = {}
+    for f in models.cache_dir(SMOL).glob("*.safetensors"):
+        saved.update(load_file(f))
+    layer, pre = smollm2.runner.layers[7], "model.layers.7."
+    want = {
+        layer.qkv: torch.cat([saved[pre + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+        layer.down: saved[pre + "mlp.down_proj.weight"],
+        smollm2.runner.head: saved.get("lm_head.weight", saved["model.embed_tokens.weight"]),
+    }
+    for linear, w in want.items():
+        got = kernels.dequantize(*kernels.unpack(linear.packed, linear.scales, linear.kind))
+        assert linear.kind == ("q8_0" if linear is smollm2.runner.head else "q4_1")
+        assert w.dtype == torch.float32 and torch.equal(got[: w.shape[0]], w), linear.kind
+
+
+@pytest.mark.parametrize(
+    "types, want",
+    [
+        ({"layers": ["Q4_1"], "head": "Q8_0"}, ("q4_1", "q8_0")),  # the built-in SmolLM2
+        ({"layers": ["Q4_1"], "head": "Q4_1"}, ("q4_1", "q4_1")),
+        ({"layers": ["Q4_0", "Q4_1"], "head": "Q4_0"}, ("q8_0", "q8_0")),  # Q4_0: not recoverable
+        ({"layers": ["Q4_0", "Q4_K"], "head": "Q4_K"}, ("q8_0", "q8_0")),  # Q4_K's sub-scales: q8_0
+        ({"layers": ["Q4_K", "Q6_K"], "head": "Q6_K"}, ("q8_0", "q8_0")),
+        ({"layers": ["BF16"], "head": "F16"}, ("q8_0", "q8_0")),
+        ({"layers": [], "head": None}, ("q8_0", "q8_0")),  # nothing known: the HF default
+    ],
+)
+def test_gguf_types_map_to_the_runners_weights(types, want):
+    assert models.gguf_quantization(types) == Quantization(*want)
 
 
 def test_damaged_gemma_parts_are_refused(monkeypatch, tmp_path):

@@ -16,11 +16,15 @@ from test_batch import BatchOracle, run_decoder
 
 from flashdraft import DFlashProposer, Engine, GenerationConfig, Target, generate
 from flashdraft.engine.slots import DEAD
-from flashdraft.models.runner import RunnerTarget
+from flashdraft.models.runner import Quantization, RunnerTarget, kernels
 from flashdraft.models.runner.quant import make_linear
 
 ARCHS = ("llama", "qwen3", "qwen2")
-QUANT = ("int8", "int4")
+# Our kernels' kinds where they could be built (a machine without a compiler runs torch's alone).
+OURS = ("q8_0", "q4_1") if kernels.available() else ()
+QUANT = ("int8", "int4", *OURS)
+# The exactness tests also run the built-in SmolLM2's default: its GGUF's Q4_1 layers and Q8_0 head.
+EXACT = (*QUANT, *([Quantization("q4_1", "q8_0")] if OURS else []))
 
 
 def pair(arch: str) -> tuple[Target, RunnerTarget]:
@@ -134,13 +138,13 @@ def test_float64_dflash_through_runner_equals_plain_decoding(arch):
     check_dflash_equals_plain(run, make_draft(ref.model), ref, prompts, configs, arch)
 
 
-def quantized(arch: str, quantize: str) -> RunnerTarget:
+def quantized(arch: str, quantize: str | Quantization) -> RunnerTarget:
     return RunnerTarget.from_target(
         Target(make_hf_model(arch, dtype=torch.float32)), quantize, torch.bfloat16
     )
 
 
-def smol_shaped(arch: str, quantize: str) -> RunnerTarget:
+def smol_shaped(arch: str, quantize: str | Quantization) -> RunnerTarget:
     """Two layers of SmolLM2-135M's shapes (576 wide, 9 heads of 64, 3 kv heads, MLP 1536), random:
     the kernels' blocking depends on the shapes, and with the tiny test models' (heads of 16) even
     SDPA happens to round the same for 1 and 8 queries."""
@@ -159,16 +163,61 @@ def smol_shaped(arch: str, quantize: str) -> RunnerTarget:
     )
     if arch == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**shapes, tie_word_embeddings=True))
+    elif arch == "qwen2":  # biases on q, k and v
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**shapes, tie_word_embeddings=False))
     else:
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**shapes, tie_word_embeddings=False))
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or name.endswith("bias"):
                 p.normal_(0.0, 0.05)
     return RunnerTarget.from_target(Target(model.eval()), quantize, torch.bfloat16)
 
 
-@pytest.mark.parametrize("quantize", QUANT)
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@pytest.mark.parametrize("arch", ("llama", "qwen3", "qwen2"))
+@torch.inference_mode()
+def test_native_layers_agree_with_the_torch_layers(arch):
+    """The layers in one C++ call (kernels/layers.cpp) compute what `Layer`'s torch ops compute: against
+    the dense float32 model, their features and logits are as close as the torch ops' on the same
+    q8_0 weights (both round to bf16 and quantize activations to int8, in places of their own)."""
+    run = smol_shaped(arch, "q8_0")
+    assert run.runner.handle is not None and run.runner.fused
+    dense = RunnerTarget.from_target(run.reference, "none", torch.float32)
+    g = torch.Generator().manual_seed(3)
+    ids, pos = torch.randint(0, 256, (2, 24), generator=g), torch.arange(24).expand(2, -1)
+    want = dense.forward(ids, pos, dense.new_cache(), features=[0, 1])
+    errors = {}
+    for fused in (True, False):
+        run.runner.fused = fused
+        got = run.forward(ids, pos, run.new_cache(), features=[0, 1])
+        errors[fused] = [(g.float() - w).abs().mean().item() for g, w in zip(got, want, strict=True)]
+    run.runner.fused = True
+    for native, torch_ops in zip(errors[True], errors[False], strict=True):
+        assert native < 1.25 * torch_ops, errors
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+def test_native_layers_give_the_same_bits_on_every_path():
+    """The C++ layers on the scalar reference path, AVX2 and AVX-512 (where the CPU runs them): equal
+    logits and features, for a batch of two rows with a mask, and the torch-kernel fallback has none."""
+    from test_kernels import runnable
+
+    run = smol_shaped("qwen3", "q4_1")
+    ids, pos = torch.randint(0, 256, (2, 20)), torch.arange(20).expand(2, -1)
+    outs = []
+    try:
+        for path in runnable():
+            kernels.force(path)
+            outs.append(run.forward(ids, pos, run.new_cache(), features=[0]))
+    finally:
+        kernels.force("auto")
+    for path, (logits, feats) in zip(runnable(), outs, strict=True):
+        assert torch.equal(logits, outs[0][0]) and torch.equal(feats, outs[0][1]), path
+    assert smol_shaped("llama", "int8").runner.handle is None
+
+
+@pytest.mark.parametrize("quantize", EXACT, ids=str)
 @pytest.mark.parametrize("arch", ("llama", "qwen3"))
 def test_quantized_verify_rows_equal_one_token_steps_bitwise(arch, quantize):
     check_verify_rows_equal_one_token_steps(smol_shaped(arch, quantize), (arch, quantize))
@@ -198,7 +247,7 @@ def check_verify_rows_equal_one_token_steps(run: RunnerTarget, what) -> None:
         assert torch.equal(logits[0], verify[b]), (what, b)
 
 
-@pytest.mark.parametrize("quantize", QUANT)
+@pytest.mark.parametrize("quantize", EXACT, ids=str)
 def test_quantized_row_does_not_depend_on_its_batch(quantize):
     check_row_does_not_depend_on_its_batch(smol_shaped("llama", quantize), quantize)
 
@@ -245,7 +294,7 @@ def check_row_does_not_depend_on_its_batch(run: RunnerTarget, what) -> None:
                 assert torch.equal(x, w), (*where, (x.float() - w.float()).abs().max().item())
 
 
-@pytest.mark.parametrize("quantize", QUANT)
+@pytest.mark.parametrize("quantize", EXACT, ids=str)
 @pytest.mark.parametrize("arch", ("llama", "qwen3"))
 def test_quantized_dflash_equals_plain_decoding_of_the_same_weights(arch, quantize):
     run = quantized(arch, quantize)
@@ -280,7 +329,9 @@ def test_quantized_weights_agree_with_the_float_weights(quantize):
     w, x = torch.randn(96, 64, generator=g), torch.randn(5, 64, generator=g)
     want = x @ w.T
     got = make_linear(w, None, quantize, torch.float32)(x)
-    tol, model_tol = {"int8": (0.02, 0.05), "int4": (0.15, 0.5)}[quantize]  # int4 errors compound
+    tol, model_tol = {"int8": (0.02, 0.05), "int4": (0.15, 0.5), "q8_0": (0.03, 0.08), "q4_1": (0.15, 0.5)}[
+        quantize
+    ]  # int4 errors compound; q8_0 and q4_1 quantize the activations to int8 too
     assert (got - want).norm() / want.norm() < tol, quantize
     ref = Target(make_hf_model("qwen3", dtype=torch.float32))
     ids, pos = torch.randint(0, 128, (1, 20), generator=g), torch.arange(20)[None]

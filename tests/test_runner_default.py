@@ -1,4 +1,6 @@
-"""Which target `load_target` gives by default: the native runner with int8 weights in bf16 (exact),
+"""Which target `load_target` gives by default for an HF checkpoint: the native runner with q8_0 weights on
+our kernels in bf16 (exact; torch's int8 where the kernels cannot be built; a GGUF keeps its own types,
+tests/test_models.py),
 dense in float32 and float64, the transformers target on request and for architectures the runner does
 not cover; the weights quantized from the checkpoint's own values."""
 
@@ -8,8 +10,8 @@ import transformers as tf
 from conftest import make_hf_model
 
 from flashdraft import Target, load_target
-from flashdraft.models.runner import Quantization, RunnerTarget
-from flashdraft.models.runner.quant import Int8Linear
+from flashdraft.models.runner import Quantization, RunnerTarget, kernels
+from flashdraft.models.runner.quant import BlockLinear
 from flashdraft.models.target import TargetError
 
 
@@ -27,8 +29,9 @@ def dirs(tmp_path_factory):
 def test_the_default_is_the_exact_native_runner_in_bf16(dirs):
     t = load_target(dirs / "llama", "bfloat16")
     assert isinstance(t, RunnerTarget) and t.exact
-    assert t.quantization == Quantization("int8", "int8") and t.dtype == torch.bfloat16
-    assert t.describe() == "native runner, int8 weights, bfloat16"
+    ours = "q8_0" if kernels.available() else "int8"  # torch's int8 where no compiler is found
+    assert t.quantization == Quantization(ours, ours) and t.dtype == torch.bfloat16
+    assert t.describe() == f"native runner, {ours} weights, bfloat16"
     assert t.model.dtype == torch.bfloat16  # the transformers model beside it (bench's peers) too
     for dtype in ("float32", "float64"):
         dense = load_target(dirs / "llama", dtype)
@@ -40,13 +43,26 @@ def test_the_default_is_the_exact_native_runner_in_bf16(dirs):
     )
 
 
-def test_int8_weights_come_from_the_checkpoints_values_not_a_bf16_copy(dirs):
-    """The checkpoint is float32; quantizing its bf16 rounding would give other int8 values."""
+def test_without_our_kernels_the_default_is_torchs_int8(dirs, monkeypatch, caplog):
+    """No compiler (or a failed build, tests/test_kernels.py): the default is torch's int8, still exact;
+    asking for q8_0 / q4_1 then is a clear error."""
+    monkeypatch.setitem(kernels._state, "ok", False)
+    t = load_target(dirs / "llama", "bfloat16")
+    assert t.quantization == Quantization("int8", "int8") and t.exact
+    with pytest.raises(TargetError, match="needs flashdraft's CPU kernels.*--quantize int8"):
+        load_target(dirs / "llama", "bfloat16", quantize="q4_1")
+
+
+@pytest.mark.skipif(not kernels.available(), reason="our kernels could not be built here")
+def test_q8_0_weights_come_from_the_checkpoints_values_not_a_bf16_copy(dirs):
+    """The checkpoint is float32; quantizing its bf16 rounding would give other blocks."""
     t = load_target(dirs / "llama", "bfloat16")
     w = Target.from_pretrained(dirs / "llama", dtype=torch.float32).model.model.layers[0].mlp.down_proj.weight
-    want = Int8Linear(w, None, torch.bfloat16)
+    want = BlockLinear(w, None, torch.bfloat16, "q8_0")
     got = t.runner.layers[0].down
-    assert torch.equal(got.qweight, want.qweight) and torch.equal(got.scale, want.scale)
+    assert torch.equal(got.packed, want.packed) and torch.equal(got.scales, want.scales)
+    bf16 = BlockLinear(w.bfloat16(), None, torch.bfloat16, "q8_0")
+    assert not torch.equal(got.packed, bf16.packed)
 
 
 def test_transformers_on_request_and_where_the_runner_cannot(dirs):

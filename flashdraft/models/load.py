@@ -37,7 +37,8 @@ from flashdraft.models.target import Target, TargetError, resolve_dtype
 log = logging.getLogger("flashdraft")
 
 MANIFEST_NAME = "flashdraft-manifest.json"
-CACHE_FORMAT = 1  # bump when the converted layout changes: older caches are then reconverted
+CACHE_FORMAT = 2  # bump when the converted layout changes: older caches are then reconverted
+# (2: the manifest records the GGUF's weight types, which `--quantize auto` follows)
 
 
 class ModelError(TargetError):
@@ -224,8 +225,9 @@ def cache_problem(directory: Path, source: dict | None = None, full: bool = True
     return None
 
 
-def write_manifest(directory: Path, source: dict) -> None:
-    """Record the size and sha256 of every file in `directory` (written last: no manifest, no cache)."""
+def write_manifest(directory: Path, source: dict, gguf_types: dict | None = None) -> None:
+    """Record the size and sha256 of every file in `directory` (written last: no manifest, no cache),
+    and for a converted GGUF its weight types (`gguf_weight_types`)."""
     import transformers
 
     files = {
@@ -239,6 +241,8 @@ def write_manifest(directory: Path, source: dict) -> None:
         "transformers": transformers.__version__,
         "files": files,
     }
+    if gguf_types is not None:
+        manifest["gguf_types"] = gguf_types
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
@@ -308,11 +312,49 @@ def convert_gguf(src: GgufSource, dest: Path, source_info: dict | None = None) -
         tokenizer.save_pretrained(tmp)
         for f in tmp.iterdir():
             usual_mode(f)  # transformers writes its weights 0600; the cache may be shared
-        write_manifest(tmp, {"gguf": src.path.name, "gguf_sha256": src.sha256, **(source_info or {})})
+        source = {"gguf": src.path.name, "gguf_sha256": src.sha256, **(source_info or {})}
+        write_manifest(tmp, source, gguf_weight_types(src.path))
         _install(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def gguf_weight_types(path: Path) -> dict:
+    """The storage types of a GGUF's matrices: {"layers": sorted types of the decoder layers'
+    matrices, "head": the output head's type (the embedding's when the head is tied to it)}."""
+    from gguf import GGUFReader
+
+    matrices = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) == 2}
+    layers = sorted({kind for name, kind in matrices.items() if name.startswith("blk.")})
+    return {"layers": layers, "head": matrices.get("output.weight", matrices.get("token_embd.weight"))}
+
+
+# GGUF types that our kernels run as they are stored (recovered exactly from the converted
+# checkpoint's float32 values, tests/test_kernels.py). Every other type runs as Q8_0, which holds about
+# their bits in each block of 32 but not their exact values: Q4_0 (its grid need not span 0..15, so
+# its blocks cannot be recovered from their values), Q4_K (6-bit sub-scales), Q5_*, Q6_K, floats.
+Q4_TYPES = frozenset({"Q4_1"})
+
+
+def gguf_quantization(types: dict) -> Quantization:
+    """The runner's weights that keep a GGUF's own: q4_1 where all its layer matrices are Q4_1
+    (`Q4_TYPES`), q8_0 otherwise; the head likewise on its own (files often keep it at 8 bits)."""
+
+    def of(kinds: list[str]) -> str:
+        return "q4_1" if kinds and set(kinds) <= Q4_TYPES else "q8_0"
+
+    return Quantization(of(types.get("layers") or []), of([types["head"]] if types.get("head") else []))
+
+
+def native_quantization(directory: str | os.PathLike) -> Quantization | None:
+    """`gguf_quantization` of the GGUF a cached checkpoint was converted from; None for other
+    checkpoints (nothing to keep)."""
+    try:
+        types = json.loads((Path(directory) / MANIFEST_NAME).read_text()).get("gguf_types")
+    except (OSError, ValueError):
+        return None
+    return gguf_quantization(types) if types else None
 
 
 def _package_version(package: str) -> str | None:
@@ -509,6 +551,8 @@ def load_target(
         raise TargetError(f"{why}: use --runner transformers")
     if why:  # auto: the transformers target, in the dtype asked for
         return target if target.dtype == dtype else Target(target.model.to(dtype), target.tokenizer)
+    if quantize == "auto" and plan.layers in ("q8_0", "q4_1"):  # a GGUF's own types (see above)
+        plan = native_quantization(target.model.config.name_or_path) or plan
     run = RunnerTarget.from_target(target, plan, dtype)
     target.model.to(dtype)  # the transformers model (bench's peers, export) in the runner's dtype too
     return run
@@ -516,14 +560,24 @@ def load_target(
 
 def default_quantization(dtype: torch.dtype, quantize: str = "auto") -> Quantization:
     """The native runner's weights. Explicit "none" / "int8" / "int4" apply to layers and head alike.
-    "auto": int8 per channel with bf16 activations (the exact combination, see `RunnerTarget.exact`),
-    dense otherwise. Not int4 by default, although the built-in SmolLM2 ships Q4_1 layers: torch's int4
-    kernel takes its scales in the activation dtype, and bf16 scales move SmolLM2's weights enough to
-    flip its near-ties (its answer to "What is the capital of France?" changes; int8 keeps it)."""
-    from flashdraft.models.runner import QUANTIZE
+    "auto": quantized weights with bf16 activations (the exact combination, see `RunnerTarget.exact`),
+    dense otherwise. Quantized means q8_0 on our kernels (blocks of 32, int8 activations), and
+    `load_target` then keeps a GGUF's own types (`gguf_quantization`): the built-in SmolLM2 runs its
+    Q4_1 layers and its Q8_0 head as they are stored. Where our kernels cannot be built, torch's int8
+    per channel (bf16 activations) instead, and one line says so. Not torch's int4: its scales in the
+    activation dtype move SmolLM2's Q4_1 weights enough to flip its answer to "What is the capital of
+    France?"; our q4_1 keeps the file's fp16 scales."""
+    from flashdraft.models.runner import QUANTIZE, kernels
 
     if quantize == "auto":
-        return Quantization.of("int8" if dtype == torch.bfloat16 else "none")
+        if dtype != torch.bfloat16:
+            return Quantization()
+        return Quantization.of("q8_0" if kernels.available() else "int8")
     if quantize not in QUANTIZE:
         raise TargetError(f"quantize must be auto or one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    if quantize in kernels.KINDS and not kernels.available():
+        raise TargetError(
+            f"--quantize {quantize} needs flashdraft's CPU kernels, which could not be built "
+            "here (see the line above): install a C++ compiler (g++), or use --quantize int8"
+        )
     return Quantization.of(quantize)

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashdraft.models.runner import kernels
 from flashdraft.models.runner.cache import KVCache
-from flashdraft.models.runner.quant import Quantization, make_linear
+from flashdraft.models.runner.quant import BlockLinear, Quantization, make_linear
 from flashdraft.models.target import TargetError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -158,6 +159,31 @@ class Runner(nn.Module):
         rotary = decoder.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().float()
         self.rope_scale = float(rotary.attention_scaling)
+        self.handle, self.fused = self.native_layers(dtype), True
+
+    def native_layers(self, dtype: torch.dtype) -> int | None:
+        """The layers as one C++ call (kernels/layers.cpp), where it computes them: bf16 activations and
+        every linear on our kernels; None otherwise (the torch ops of `Layer` run). Set `fused` False
+        to run `Layer` anyway (the tests compare the two)."""
+        linears = [(lay.qkv, lay.o, lay.gate_up, lay.down) for lay in self.layers]
+        if dtype != torch.bfloat16 or not all(isinstance(x, BlockLinear) for ls in linears for x in ls):
+            return None
+        none = torch.empty(0)
+        tensors, shapes = [], []
+        for lay, ls in zip(self.layers, linears, strict=True):
+            qn, kn = lay.qk_norm or (none, none)
+            tensors += [lay.norm1, lay.norm2, qn, kn]
+            for x in ls:
+                tensors += [x.packed, x.scales, none if x.bias is None else x.bias.data]
+                shapes += [x.out_features, kernels.KINDS[x.kind]]
+        lay = self.layers[0]
+        return torch.ops.flashdraft.llama_new(
+            tensors, shapes, lay.heads, lay.kv_heads, lay.head_dim, lay.eps, lay.scale
+        )
+
+    def __del__(self):
+        if getattr(self, "handle", None) is not None:
+            torch.ops.flashdraft.llama_free(self.handle)
 
     @staticmethod
     def layout(cfg) -> tuple[int, int, int]:
@@ -185,6 +211,12 @@ class Runner(nn.Module):
         """The final-normed hidden states (B, T, H) and the outputs of the `wanted` layers."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions, x.dtype)
+        if self.handle is not None and self.fused:
+            ids = sorted(wanted)
+            out = torch.ops.flashdraft.llama_forward(
+                self.handle, x, cos, sin, cache.k, cache.v, start, mask, ids, kernels.path()
+            )
+            return rms_norm(out[0], self.norm, self.eps), dict(zip(ids, out[1:], strict=True))
         caught = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, mask)

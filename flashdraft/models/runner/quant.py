@@ -1,10 +1,17 @@
-"""Linear layers for the runner: dense, or weight-only int8 per output channel, or int4 in groups of 32.
+"""Linear layers for the runner: dense; GGUF's blocks of 32 (Q8_0, Q4_1) on our own kernels; or
+torch's weight-only int8 per output channel and int4 in groups of 32.
 
-The quantized ones go through torch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
-chosen for two reasons measured on SmolLM2's shapes: they read 2-4x fewer bytes than a bf16 GEMM (the
-decode step is bound by reading weights), and they are batch-invariant, bitwise: each row of the output
-is computed exactly as it would be alone, whatever M. That is what lets a verify over k tokens give the
-logits of k one-token steps. A dense bf16 GEMM is not (its blocking changes with M).
+Every quantized one is batch-invariant, bitwise: each row of the output is computed exactly as it
+would be alone, whatever M. That is what lets a verify over k tokens give the logits of k one-token
+steps. A dense bf16 GEMM is not (its blocking changes with M).
+
+- "q8_0" / "q4_1" (`BlockLinear`): our kernels (`kernels/qgemm.cpp`), which read each weight once for
+  all rows (a verify of 8 rows costs a fraction of 8 steps) and quantize the activations per row and
+  block of 32 to int8, as llama.cpp does: invariant by construction, and a GGUF's Q8_0 / Q4_1 / Q4_0
+  blocks run as they are stored.
+- "int8" / "int4": torch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), bf16
+  activations; they take rows 4 at a time, so a verify costs more with every 4 rows. The fallback
+  where our kernels cannot be built.
 
 A quantized layer is its own model: exact means equal to plain decoding with the same weights.
 """
@@ -17,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZE = ("none", "int8", "int4")
+from flashdraft.models.runner import kernels
+
+QUANTIZE = ("none", "int8", "int4", "q8_0", "q4_1")
 GROUP = 32  # int4 group size along the input dimension (GGUF's Q4_0 / Q4_1 blocks are 32 too)
 
 
@@ -131,6 +140,28 @@ class Int4Linear(_Quantized):
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(n, k)
 
 
+class BlockLinear(_Quantized):
+    """GGUF's blocks of 32 inputs on our kernels (`kernels.quantize`): Q8_0 (w = d * q) or Q4_1 (w = d * q
+    + m), d and m in fp16; the activations quantized to int8 per row and block inside the kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, kind: str):
+        super().__init__(weight.shape[0], bias, dtype)
+        if not kernels.available():
+            raise RuntimeError(f"{kind} weights need flashdraft's CPU kernels, which are not available here")
+        self.kind, self.in_features, self.dtype = kind, weight.shape[1], dtype
+        w = F.pad(weight.detach().float(), (0, -weight.shape[1] % kernels.BLOCK))  # inputs past K: zeros
+        packed, scales = kernels.pack(*kernels.quantize(w, kind))
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.qgemm(x, self.packed, self.scales, self.out_features, self.kind)
+
+    def dequantize(self) -> torch.Tensor:
+        w = kernels.dequantize(*kernels.unpack(self.packed, self.scales, self.kind))
+        return w[: self.out_features, : self.in_features].to(self.dtype)
+
+
 def make_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, quantize: str, dtype: torch.dtype
 ) -> nn.Module:
@@ -141,4 +172,6 @@ def make_linear(
         return Int8Linear(weight, bias, dtype)
     if quantize == "int4":
         return Int4Linear(weight, bias, dtype)
+    if quantize in kernels.KINDS:
+        return BlockLinear(weight, bias, dtype, quantize)
     raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")

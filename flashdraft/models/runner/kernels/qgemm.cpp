@@ -1,0 +1,376 @@
+// Weight-only quantized GEMM for the runner: y = x W^T with W in GGUF-like blocks of 32 inputs
+// (Q8_0: w = d * q, q in -127..127; Q4_1: w = d * q + m, q in 0..15; d and m in fp16) and x quantized
+// per row and block of 32 to int8 (x ~ dx * xq, dx = amax / 127), as llama.cpp's q8 path does.
+//
+// Why our own: torch's int8 / int4 CPU kernels take activation rows 4 at a time, so a verify of 8 rows
+// costs 1.8 one-row steps. Here each weight tile is unpacked once and used for every row, so 8 or 16
+// rows cost little more than one (the step is bound by reading the weights).
+//
+// Exact by construction: every output (row, column) is computed by the same sequence of operations,
+// whatever the number of rows, the row's place among them, the thread or the code path:
+//   isum_g = sum over the block of q * xq           (an exact integer, |isum| < 2^24)
+//   acc    = acc + float(isum_g) * (d_g * dx_g)      (for each block g in order, no fused multiply-add)
+//   acc    = acc + m_g * (dx_g * xsum_g)             (Q4_1 only: the minimum times the row's block sum)
+// The AVX-512 VNNI, AVX2 and scalar reference paths below differ only in how they get the exact
+// integers, so they give the same bits (tests/test_kernels.py). Built with -ffp-contract=off.
+//
+// Packed layout (flashdraft/models/runner/kernels/__init__.py packs it): columns in tiles of 16,
+// inputs in blocks of 32, per (tile, block):
+//   Q8_0: 512 bytes [j = 0..7][column 0..15][4 inputs 4j..4j+3], each byte q + 128;
+//   Q4_1: 256 bytes [j = 0..3][column][4 inputs], low nibble inputs 4j.., high nibble 4(j+4)..;
+// and fp16 scales [tile][block][d (16 columns), then m (16 columns) for Q4_1].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 32;  // inputs per block
+constexpr int64_t TILE = 16;   // columns per tile
+constexpr int ROWS = 8;        // rows computed together (each row's arithmetic does not depend on it)
+
+
+// The activations, quantized per row and block of 32 (row-local: a row's values do not depend on
+// the rows beside it). Inputs past K count as zeros.
+struct Acts {
+  int64_t rows, blocks;
+  std::vector<int8_t> q;     // rows x blocks*32
+  std::vector<float> d;      // rows x blocks: dx
+  std::vector<float> s;      // rows x blocks: dx * xsum (Q4_1's minimum term)
+  std::vector<int32_t> sum;  // rows x blocks: xsum (Q8_0's offset correction)
+};
+
+// One block of n <= 32 values: int8 codes, dx = amax / 127 and the codes' sum. NaNs are not handled.
+template <typename T>
+void quantize_block(const T* x, int n, int8_t* q, float* dx, int32_t* sum) {
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t s = 0;
+  for (int i = 0; i < n; ++i) {
+    const float v = std::nearbyint(static_cast<float>(x[i]) * inv);  // |v| <= 127: no clamp needed
+    q[i] = static_cast<int8_t>(v);
+    s += static_cast<int32_t>(v);
+  }
+  *dx = amax / 127.f;
+  *sum = s;
+}
+
+// The same block of 32 with AVX2, the same bits: max and integer sums are exact in any order, and
+// each code is the same rounded product.
+template <typename T>
+__attribute__((target("avx2,fma"))) __m256 load8(const T* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(x);
+  } else {  // bfloat16: the high half of a float
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+  }
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void quantize_block_avx2(const T* x, int8_t* q, float* dx, int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = load8(x + 8 * j);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i i[4], total = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    total = _mm256_add_epi32(total, i[j]);
+  }
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  *dx = amax / 127.f;
+  *sum = _mm_cvtsi128_si32(t);
+}
+
+// The activations of all rows; the reference path quantizes with the scalar code, the others with AVX2.
+template <typename T>
+void quantize_rows(const T* x, int64_t k, bool vector, Acts& a) {
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t g = 0; g < a.blocks; ++g) {
+      const int64_t i = r * a.blocks + g, k0 = g * BLOCK, n = std::min(BLOCK, k - k0);
+      if (vector && n == BLOCK)
+        quantize_block_avx2(x + r * k + k0, a.q.data() + i * BLOCK, &a.d[i], &a.sum[i]);
+      else
+        quantize_block(x + r * k + k0, int(std::max<int64_t>(n, 0)), a.q.data() + i * BLOCK, &a.d[i], &a.sum[i]);
+      a.s[i] = a.d[i] * static_cast<float>(a.sum[i]);
+    }
+}
+
+Acts quantize(const at::Tensor& x, int64_t blocks, bool vector) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  Acts a{rows, blocks, std::vector<int8_t>(rows * blocks * BLOCK, 0), std::vector<float>(rows * blocks),
+         std::vector<float>(rows * blocks), std::vector<int32_t>(rows * blocks)};
+  if (x.scalar_type() == at::kBFloat16) {
+    quantize_rows(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), k, vector, a);
+  } else {
+    const at::Tensor xf = x.to(at::kFloat);
+    quantize_rows(xf.data_ptr<float>(), k, vector, a);
+  }
+  return a;
+}
+
+inline float half(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// ---- the reference: one column at a time, plain C++ --------------------------------------------
+
+void tile_reference(int kind, const uint8_t* w, const uint16_t* sc, const Acts& a, int64_t r0, int rows,
+                    float* out) {
+  const int64_t wbytes = kind == Q8_0 ? 512 : 256, scn = kind == Q8_0 ? 16 : 32;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t row = r0 + r;
+    for (int c = 0; c < TILE; ++c) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < a.blocks; ++g) {
+        const uint8_t* wg = w + g * wbytes;
+        const int8_t* xq = a.q.data() + (row * a.blocks + g) * BLOCK;
+        int32_t isum = 0;
+        for (int i = 0; i < BLOCK; ++i) {
+          const int j = i / 4, b = i % 4;  // input i sits in group j of 4, byte b
+          const int q = kind == Q8_0 ? int(wg[(j * TILE + c) * 4 + b]) - 128
+                                     : (wg[((j % 4) * TILE + c) * 4 + b] >> (j < 4 ? 0 : 4)) & 15;
+          isum += q * xq[i];
+        }
+        const float dx = a.d[row * a.blocks + g];
+        const float t = half(sc[g * scn + c]) * dx;
+        acc = acc + static_cast<float>(isum) * t;
+        if (kind == Q4_1) acc = acc + half(sc[g * scn + 16 + c]) * a.s[row * a.blocks + g];
+      }
+      out[r * TILE + c] = acc;
+    }
+  }
+}
+
+// ---- AVX2: 8 columns at a time (maddubs + madd give the same exact integers as VNNI) ------------
+
+template <int R, int KIND>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const uint8_t* w, const uint16_t* sc, const Acts& a,
+                                                       int64_t r0, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+  const int64_t wbytes = KIND == Q8_0 ? 512 : 256, scn = KIND == Q8_0 ? 16 : 32;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < a.blocks; ++g) {
+      const uint8_t* wg = w + g * wbytes + h * 32;
+      __m256i wv[8];
+      if (KIND == Q4_1) {
+        for (int j = 0; j < 4; ++j) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
+          wv[j] = _mm256_and_si256(b, low);
+          wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j)  // q + 128 -> q as a signed byte
+          wv[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64)), flip);
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * scn + h * 8)));
+      __m256i isums[R];
+      for (int r = 0; r < R; ++r) isums[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i wu = KIND == Q4_1 ? wv[j] : _mm256_abs_epi8(wv[j]);
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, a.q.data() + ((r0 + r) * a.blocks + g) * BLOCK + 4 * j, 4);
+          const __m256i xv = KIND == Q4_1 ? _mm256_set1_epi32(x4) : _mm256_sign_epi8(_mm256_set1_epi32(x4), wv[j]);
+          // unsigned x signed bytes, pairs summed to 16 bits: |q| <= 127 and |xq| <= 127 cannot saturate
+          isums[r] = _mm256_add_epi32(isums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * a.blocks + g;
+        const __m256i isum = isums[r];
+        const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(a.d[i]));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), t));
+        if (KIND == Q4_1) {
+          const __m256 m =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * scn + 16 + h * 8)));
+          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(m, _mm256_set1_ps(a.s[i])));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * TILE + h * 8, acc[r]);
+  }
+}
+
+// ---- AVX-512 VNNI: 16 columns at a time, 64 byte products per instruction -----------------------
+
+template <int R, int KIND>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_avx512(const uint8_t* w,
+                                                                                    const uint16_t* sc,
+                                                                                    const Acts& a, int64_t r0,
+                                                                                    float* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t wbytes = KIND == Q8_0 ? 512 : 256, scn = KIND == Q8_0 ? 16 : 32;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.blocks; ++g) {
+    const uint8_t* wg = w + g * wbytes;
+    __m512i wv[8];
+    if (KIND == Q4_1) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i b = _mm512_loadu_si512(wg + j * 64);
+        wv[j] = _mm512_and_si512(b, low);
+        wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512(wg + j * 64);  // q + 128, unsigned
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * scn)));
+    __m512i isums[R];  // the rows' integer sums side by side: R independent chains of 8 dot products
+    for (int r = 0; r < R; ++r) isums[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j)
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, a.q.data() + ((r0 + r) * a.blocks + g) * BLOCK + 4 * j, 4);
+        isums[r] = _mm512_dpbusd_epi32(isums[r], wv[j], _mm512_set1_epi32(x4));
+      }
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * a.blocks + g;
+      __m512i isum = isums[r];
+      if (KIND == Q8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.sum[i]));  // the +128 offset
+      const __m512 t = _mm512_mul_ps(d, _mm512_set1_ps(a.d[i]));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), t));
+      if (KIND == Q4_1) {
+        const __m512 m =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * scn + 16)));
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a.s[i])));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * TILE, acc[r]);
+}
+
+// ---- dispatch ------------------------------------------------------------------------------------
+
+using TileFn = void (*)(const uint8_t*, const uint16_t*, const Acts&, int64_t, float*);
+
+#define FD_TABLE(NAME, FN)                                                                 \
+  template <int KIND>                                                                      \
+  TileFn NAME(int rows) {                                                                  \
+    static const TileFn fns[ROWS] = {FN<1, KIND>, FN<2, KIND>, FN<3, KIND>, FN<4, KIND>,   \
+                                     FN<5, KIND>, FN<6, KIND>, FN<7, KIND>, FN<8, KIND>};  \
+    return fns[rows - 1];                                                                  \
+  }
+FD_TABLE(avx2_fn, tile_avx2)
+FD_TABLE(avx512_fn, tile_avx512)
+#undef FD_TABLE
+
+}  // namespace
+
+int64_t best_path() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;  // f16c comes with both
+  return REFERENCE;
+}
+
+namespace {
+
+void run_tile(int64_t path, int64_t kind, const uint8_t* w, const uint16_t* sc, const Acts& a, int64_t r0,
+              int rows, float* out) {
+  if (path == REFERENCE) return tile_reference(int(kind), w, sc, a, r0, rows, out);
+  const TileFn fn = path == AVX512 ? (kind == Q8_0 ? avx512_fn<Q8_0>(rows) : avx512_fn<Q4_1>(rows))
+                                   : (kind == Q8_0 ? avx2_fn<Q8_0>(rows) : avx2_fn<Q4_1>(rows));
+  fn(w, sc, a, r0, out);
+}
+
+// 16 floats to bfloat16 with AVX2, the bits of c10::BFloat16(float): round to nearest even, NaN -> 0x7FC0.
+__attribute__((target("avx2,fma"))) __m256i bf16_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+__attribute__((target("avx2,fma"))) void store_bf16_avx2(const float* v, uint16_t* y) {
+  const __m256i lo = bf16_bits(_mm256_loadu_ps(v)), hi = bf16_bits(_mm256_loadu_ps(v + 8));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), packed);
+}
+
+// A tile's row of float32 outputs into y's dtype, rounded to nearest even (as torch casts).
+template <typename T>
+void store(const float* v, T* y, int64_t cols, bool vector) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (vector && cols == TILE) return store_bf16_avx2(v, reinterpret_cast<uint16_t*>(y));
+  }
+  for (int64_t c = 0; c < cols; ++c) y[c] = static_cast<T>(v[c]);
+}
+
+}  // namespace
+
+// y (M, n) in x's dtype = x (M, K) times the packed weights' transpose. `path` 0 picks the best this
+// CPU runs; 1-3 force one (the tests compare them).
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n, int64_t kind,
+                 int64_t path) {
+  TORCH_CHECK(x.dim() == 2, "qgemm: x must be 2D (rows, inputs)");
+  TORCH_CHECK(kind == Q8_0 || kind == Q4_1, "qgemm: kind must be 0 (Q8_0) or 1 (Q4_1)");
+  TORCH_CHECK(qweight.dtype() == at::kByte && qweight.dim() == 3 && qweight.is_contiguous(),
+              "qgemm: qweight must be contiguous uint8 (tiles, blocks, bytes)");
+  const int64_t tiles = qweight.size(0), blocks = qweight.size(1);
+  TORCH_CHECK(qweight.size(2) == (kind == Q8_0 ? 512 : 256), "qgemm: wrong bytes per tile and block");
+  TORCH_CHECK(scales.scalar_type() == at::kShort && scales.is_contiguous() &&
+                  scales.numel() == tiles * blocks * (kind == Q8_0 ? 16 : 32),
+              "qgemm: scales must be contiguous int16 (fp16 bits) of (tiles, blocks, 16 or 32)");
+  TORCH_CHECK(x.size(1) <= blocks * BLOCK && n <= tiles * TILE, "qgemm: shapes do not match the weights");
+  const int64_t best = best_path();
+  if (path == AUTO) path = best;
+  TORCH_CHECK(path == REFERENCE || path <= best, "qgemm: this CPU cannot run path ", path);
+
+  const at::Tensor xc = x.contiguous();
+  const Acts a = quantize(xc, blocks, path != REFERENCE);
+  const int64_t rows = a.rows;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
+  const int64_t wstride = blocks * qweight.size(2), sstride = blocks * (kind == Q8_0 ? 16 : 32);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qgemm", [&] {
+    scalar_t* y = out.data_ptr<scalar_t>();
+    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+      float buf[ROWS * TILE];
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t c0 = t * TILE, cols = std::min(TILE, n - c0);
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+          const int rs = int(std::min<int64_t>(ROWS, rows - r0));
+          run_tile(path, kind, w + t * wstride, sc + t * sstride, a, r0, rs, buf);
+          for (int r = 0; r < rs; ++r) store(buf + r * TILE, y + (r0 + r) * n + c0, cols, path != REFERENCE);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
+  m.def("qgemm(Tensor x, Tensor qweight, Tensor scales, int n, int kind, int path) -> Tensor", &qgemm);
+  m.def("best_path() -> int", &best_path);
+}

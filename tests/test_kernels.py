@@ -1,0 +1,133 @@
+"""Our CPU kernels (flashdraft/models/runner/kernels): every code path gives the reference's bits, a row's
+output does not depend on the rows beside it, the output is the exact sum within float32 rounding, a
+GGUF's blocks come back exactly, and a failed build falls back with one line."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from flashdraft.models.runner import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels could not be built here")
+KINDS = ("q8_0", "q4_1")
+
+
+def runnable() -> list[str]:
+    order = ["reference", "avx2", "avx512"]
+    return order[: order.index(kernels.best()) + 1]
+
+
+@pytest.fixture
+def on_path():
+    """Run the GEMM on a given path; restore the default afterwards."""
+    yield kernels.force
+    kernels.force("auto")
+
+
+def weights(kind: str, n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
+    w = torch.nn.functional.pad(w, (0, -k % kernels.BLOCK))
+    q, d, m = kernels.quantize(w, kind)
+    return (q, d, m), kernels.pack(q, d, m)
+
+
+def activations(m: int, k: int, dtype, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, 3] *= 30  # an outlier channel, as LLM activations have
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", ("avx2", "avx512"))
+def test_every_path_gives_the_references_bits(kind, dtype, path, on_path):
+    """Shapes that leave a partial tile (N = 200) and a partial block (K = 570), 1-20 rows (more than one
+    group of 8), bf16 and float32 activations."""
+    if path not in runnable():
+        pytest.skip(f"this CPU does not run the {path} path")
+    _, (packed, scales) = weights(kind, 200, 570)
+    for m in (1, 3, 8, 9, 16, 20):
+        x = activations(m, 570, dtype, seed=m)
+        on_path("reference")
+        want = kernels.qgemm(x, packed, scales, 200, kind)
+        on_path(path)
+        got = kernels.qgemm(x, packed, scales, 200, kind)
+        assert got.dtype == dtype and torch.equal(got, want), (kind, m, path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_does_not_depend_on_its_batch(kind, on_path):
+    """Each row of a 17-row product equals the same row alone and in other company, on every path."""
+    _, (packed, scales) = weights(kind, 96, 576)
+    x = activations(17, 576, torch.bfloat16)
+    for path in runnable():
+        on_path(path)
+        full = kernels.qgemm(x, packed, scales, 96, kind)
+        for i in range(17):
+            alone = kernels.qgemm(x[i : i + 1], packed, scales, 96, kind)
+            shuffled = kernels.qgemm(torch.cat([x[i:], x[:i]]), packed, scales, 96, kind)
+            assert torch.equal(full[i], alone[0]) and torch.equal(full[i], shuffled[0]), (path, i)
+
+
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """The activations the kernel multiplies: per row and block of 32, dx * round(x * 127 / amax) in float32."""
+    m, k = x.shape
+    xb = torch.nn.functional.pad(x.float(), (0, -k % 32)).reshape(m, -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros(()))
+    return ((xb * inv).round() * (amax / 127)).reshape(m, -1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_output_is_the_exact_sum_within_float32_rounding(kind):
+    """Against float64: the dequantized weights times the quantized activations. Each output is a sum of
+    2 terms per block of 32 in float32, so its error is at most about 2 * blocks * 2^-24 of the sum of
+    the terms' magnitudes."""
+    (q, d, m), (packed, scales) = weights(kind, 64, 1536)
+    x = activations(5, 1536, torch.float32)
+    got = kernels.qgemm(x, packed, scales, 64, kind).double()
+    w, xq = kernels.dequantize(q, d, m).double(), quantized_rows(x).double()
+    want, size = xq @ w.T, xq.abs() @ w.abs().T
+    bound = 2 * (1536 // 32) * 2.0**-24 * size
+    assert ((got - want).abs() <= bound).all(), ((got - want).abs() / size).max().item()
+    # and the activations' quantization is what moves it from the float product (not the kernel)
+    assert ((got - x.double() @ w.T).abs() > bound).any()
+
+
+@pytest.mark.parametrize("kind", ("Q8_0", "Q4_1"))
+def test_a_ggufs_blocks_come_back_exactly(kind):
+    """Quantized by the gguf package and dequantized as transformers loads a GGUF, our blocks dequantize
+    to the very same float32 values. (Not Q4_0: its grid need not span 0..15; it runs as q8_0.)"""
+    from gguf import GGMLQuantizationType, quants
+
+    t = GGMLQuantizationType[kind]
+    w = (np.random.default_rng(0).standard_normal((48, 256)) * 0.02).astype(np.float32)
+    gguf_values = quants.dequantize(quants.quantize(w, t), t)
+    ours = "q8_0" if kind == "Q8_0" else "q4_1"
+    back = kernels.dequantize(
+        *kernels.unpack(*kernels.pack(*kernels.quantize(torch.from_numpy(gguf_values), ours)), ours)
+    )
+    assert torch.equal(back[:48], torch.from_numpy(gguf_values))
+
+
+def test_a_failed_build_falls_back_with_one_line(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    with caplog.at_level(logging.WARNING, logger="flashdraft"):
+        assert not kernels.available()
+    assert "kernels are not available" in caplog.text and "torch's int8 kernel runs instead" in caplog.text
+    assert list((tmp_path / "kernels").iterdir()) == []  # nothing half-built left behind
+
+
+def test_a_path_this_cpu_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setattr(kernels, "_state", {"ok": True})
+    monkeypatch.setenv("FLASHDRAFT_KERNEL", "avx1024")
+    with pytest.raises(ValueError, match="FLASHDRAFT_KERNEL must be one of auto, reference, avx2, avx512"):
+        kernels.path()
