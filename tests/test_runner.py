@@ -204,12 +204,13 @@ def test_native_layers_give_the_same_bits_on_every_path():
     from test_kernels import runnable
 
     run = smol_shaped("qwen3", "q4_1")
-    ids, pos = torch.randint(0, 256, (2, 20)), torch.arange(20).expand(2, -1)
+    # enough queries and slots that a score rounded differently shows in some bf16 output
+    ids, pos = torch.randint(0, 256, (2, 96)), torch.arange(96).expand(2, -1)
     outs = []
     try:
         for path in runnable():
             kernels.force(path)
-            outs.append(run.forward(ids, pos, run.new_cache(), features=[0]))
+            outs.append(run.forward(ids, pos, run.new_cache(), features=[0, 1]))
     finally:
         kernels.force("auto")
     for path, (logits, feats) in zip(runnable(), outs, strict=True):
