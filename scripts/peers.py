@@ -296,11 +296,9 @@ def run(args) -> None:
 
     torch.set_num_threads(2)
     cache = args.cache
-    ready = (
-        llama_dir(cache) / "build" / "bin" / "llama-server",
-        cache / "draft.gguf",
-        cache / "vllm" / ".installed",
-    )
+    ready = [llama_dir(cache) / "build" / "bin" / "llama-server", cache / "draft.gguf"]
+    if not args.engines or "vLLM" in args.engines:  # a subset without vLLM runs without its venv
+        ready.append(cache / "vllm" / ".installed")
     if not all(f.is_file() for f in ready):
         raise SystemExit("run `python scripts/peers.py setup` first")
     native = load_target(TARGET)

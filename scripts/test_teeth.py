@@ -1402,6 +1402,13 @@ BUGS = [
         "tests/test_runner.py::test_native_layers_give_the_same_bits_on_every_path",
     ),
     (
+        "proposers: a draft beside a target on our kernels stays on dense matmuls",
+        "flashdraft/engine/proposers.py",
+        '            draft = draft.quantized("q8_0")',
+        "            pass",
+        "tests/test_runner.py::test_a_draft_beside_a_target_on_our_kernels_runs_on_them_too",
+    ),
+    (
         "default: torch's int8 even where our kernels run",
         "flashdraft/models/load.py",
         '        return Quantization.of("q8_0" if kernels.available() else "int8")',

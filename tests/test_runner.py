@@ -402,3 +402,31 @@ def test_norms_give_the_bits_of_the_transformers_norms(dtype):
         with torch.no_grad():
             assert torch.equal(llama.rms_norm(x, ref_l.weight, 1e-6), ref_l(x)), shape
             assert torch.equal(gemma.rms_norm(x, gemma.norm_scale(ref_g, dtype), 1e-6), ref_g(x)), shape
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@torch.inference_mode()
+def test_a_draft_beside_a_target_on_our_kernels_runs_on_them_too():
+    """DFlashProposer gives a bf16 draft of a q8_0 / q4_1 target a copy whose linears (and vocabulary
+    head) run on the kernels: the draft passed in keeps its own dense weights, the copy's hidden states
+    stay close to the dense draft's, and the copy cannot be saved as if it were the draft."""
+    from flashdraft.models.runner.quant import BlockLinear
+
+    run = quantized("llama", "q8_0")
+    draft = make_draft(run.reference.model, dtype=torch.bfloat16)
+    draft.set_vocab(list(range(0, 128, 2)), run.lm_head.weight)
+    proposer = DFlashProposer(draft, run)
+    copy = proposer.draft
+    assert copy is not draft and isinstance(copy.layers[0].mlp.down_proj, BlockLinear)
+    assert isinstance(copy.fc, BlockLinear) and isinstance(draft.layers[0].mlp.down_proj, torch.nn.Linear)
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, 8, 64, generator=g).bfloat16()
+    ctx = torch.randn(1, 5, draft.fc.in_features, generator=g).bfloat16()
+    args = (embeds, torch.arange(5, 13)[None], ctx, torch.arange(5)[None])
+    want, got = draft(*args).float(), copy(*args).float()
+    assert (got - want).norm() / want.norm() < 0.05
+    logits = copy.propose_logits(got.bfloat16(), run.lm_head)
+    assert torch.isinf(logits[..., 1::2]).all() and torch.isfinite(logits[..., ::2]).all()
+    with pytest.raises(TypeError):
+        copy.save_pretrained("/nonexistent")
+    assert DFlashProposer(draft, quantized("llama", "int8")).draft is draft  # torch's kernels: as it is

@@ -397,6 +397,21 @@ class Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def quantized_rows(lm_head: nn.Module, rows: torch.Tensor, kind: str) -> nn.Module:
+    """These rows of the LM head as a `BlockLinear` of `kind`. From a head already on the kernels, its
+    own blocks (dequantized in float32, so requantizing gives them back exactly); else its weights."""
+    from flashdraft.models.runner import kernels
+    from flashdraft.models.runner.quant import BlockLinear
+
+    if isinstance(lm_head, BlockLinear):
+        w = kernels.dequantize(*kernels.unpack(lm_head.packed, lm_head.scales, lm_head.kind))
+        w, dtype = w[: lm_head.out_features, : lm_head.in_features], lm_head.dtype
+    else:
+        w, dtype = lm_head.weight.detach(), lm_head.weight.dtype
+    bias = getattr(lm_head, "bias", None)
+    return BlockLinear(w[rows], None if bias is None else bias.detach()[rows], dtype, kind)
+
+
 class DFlashDraft(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -413,7 +428,8 @@ class DFlashDraft(nn.Module):
         # head rows of those ids (saved as lm_head.weight). Not parameters: the draft trains no head.
         self.vocab: torch.Tensor | None = None
         self.vocab_rows: torch.Tensor | None = None
-        self._vocab_head: tuple | None = None  # (key, weight rows, bias rows) of the last LM head seen
+        self._vocab_head: tuple | None = None  # (key, head of the rows, rows) of the last LM head seen
+        self.head_kind: str | None = None  # `quantized`: the vocabulary's head rows on the kernels too
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -541,14 +557,13 @@ class DFlashDraft(nn.Module):
         if self._vocab_head is None or self._vocab_head[0] != key:
             rows = self.vocab.to(weight.device)
             bias = getattr(lm_head, "bias", None)
-            self._vocab_head = (
-                key,
-                weight.detach()[rows],
-                None if bias is None else bias.detach()[rows],
-                rows,
-            )
-        _, w, b, rows = self._vocab_head
-        sub = self.logits(hidden, lambda h: F.linear(h.to(w.dtype), w, b))
+            w, b = weight.detach()[rows], None if bias is None else bias.detach()[rows]
+            head = lambda h, w=w, b=b: F.linear(h.to(w.dtype), w, b)  # noqa: E731
+            if self.head_kind is not None:  # `quantized`: the rows on the kernels (the target's own blocks)
+                head = quantized_rows(lm_head, rows, self.head_kind)
+            self._vocab_head = (key, head, rows)
+        _, head, rows = self._vocab_head
+        sub = self.logits(hidden, head)
         full = sub.new_full((sub.shape[0], weight.shape[0]), float("-inf"))
         full.index_copy_(-1, rows, sub)
         if context is not None:
@@ -656,6 +671,26 @@ class DFlashDraft(nn.Module):
             layer.mlp.down_proj.weight.zero_()
         grown.vocab, grown.vocab_rows = self.vocab, self.vocab_rows
         return grown
+
+    def quantized(self, kind: str) -> DFlashDraft:
+        """A copy for proposing only, whose layers' and `fc`'s linears run on the runner's kernels in
+        `kind` (q8_0 / q4_1, `flashdraft.models.runner.quant.BlockLinear`): a draft call on dense bf16
+        matmuls of 8 rows cost 1.7 target steps once the target ran on those kernels. A draft only
+        proposes, so this moves its acceptance a little, never the output. Not trainable, not savable."""
+        import copy
+
+        from flashdraft.models.runner.quant import BlockLinear
+
+        q = copy.deepcopy(self)
+        for module in [*q.layers.modules(), q]:
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    dtype = child.weight.dtype
+                    setattr(module, name, BlockLinear(child.weight.detach(), child.bias, dtype, kind))
+        q.requires_grad_(False)
+        q.head_kind, q._vocab_head = kind, None
+        q.save_pretrained = None  # its weights are no longer the draft's own
+        return q
 
     def check_target(self, target) -> None:
         """Raise DraftError when this draft cannot run with `target` (a `flashdraft.models.target.Target`)."""

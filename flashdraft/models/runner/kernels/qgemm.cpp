@@ -39,6 +39,7 @@ namespace {
 constexpr int64_t BLOCK = 32;  // inputs per block
 constexpr int64_t TILE = 16;   // columns per tile
 constexpr int ROWS = 8;        // rows computed together (each row's arithmetic does not depend on it)
+typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;  // 4 activation bytes read at once
 
 
 // The activations, quantized per row and block of 32 (row-local: a row's values do not depend on
@@ -243,12 +244,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_a
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * scn)));
     __m512i isums[R];  // the rows' integer sums side by side: R independent chains of 8 dot products
     for (int r = 0; r < R; ++r) isums[r] = _mm512_setzero_si512();
+    const int8_t* xg = a.q.data() + (r0 * a.blocks + g) * BLOCK;  // row r0's block g; rows a.blocks apart
+    const int64_t stride = a.blocks * BLOCK;
     for (int j = 0; j < 8; ++j)
-      for (int r = 0; r < R; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, a.q.data() + ((r0 + r) * a.blocks + g) * BLOCK + 4 * j, 4);
-        isums[r] = _mm512_dpbusd_epi32(isums[r], wv[j], _mm512_set1_epi32(x4));
-      }
+      for (int r = 0; r < R; ++r)  // 4 activation bytes to every lane: folded into the dot product's load
+        isums[r] = _mm512_dpbusd_epi32(isums[r], wv[j], _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(
+                                                           xg + r * stride + 4 * j)));
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * a.blocks + g;
       __m512i isum = isums[r];
