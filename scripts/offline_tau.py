@@ -24,7 +24,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from flashdraft.bench.acceptance import greedy_references, offline_tau, read_references, write_references  # noqa: E402
+from flashdraft.bench.acceptance import (  # noqa: E402
+    greedy_references,
+    offline_tau,
+    offline_trees,
+    read_references,
+    write_references,
+)
 from flashdraft.models.draft import DFlashDraft  # noqa: E402
 from flashdraft.models.load import load_target  # noqa: E402
 from flashdraft.models.target import resolve_dtype  # noqa: E402
@@ -59,6 +65,12 @@ def main(argv=None) -> int:
         "--quantize",
         default="auto",
         help="with --runner auto: the runner's weights (auto, q8_0, q4_1, int8, int4, none), as `generate` takes them",
+    )
+    p.add_argument(
+        "--trees",
+        default="",
+        help="comma-separated node budgets: also score trees built best-first from each block's marginals "
+        "(accepted tokens per verify; issue 48's bound), e.g. 4,8,12,16",
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -98,10 +110,28 @@ def main(argv=None) -> int:
         for key in ("position_acceptance", "real_position_acceptance"):
             if key in est:  # the share of steps that accepted the drafted token at block position k
                 print(f"  {key}: " + " ".join(f"{k}:{v:.3f}" for k, v in enumerate(est[key], 1)), flush=True)
+        if args.trees:
+            budgets = [int(x) for x in args.trees.split(",")]
+            est |= offline_trees(draft, target, refs, budgets)
+            print_trees(est, draft.config.block_size - 1, budgets, sorted({r["set"] for r in refs}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def print_trees(est: dict, chain: int, budgets: list[int], sets: list[str]) -> None:
+    """Accepted tokens per verify (walked, as the loop visits anchors), the chain against trees."""
+    print(f"\n| drafted tokens per verify | {' | '.join(sets)} | pooled |")
+    print("|---" * (len(sets) + 2) + "|")
+    print(
+        f"| chain of {chain} (today) | "
+        + " | ".join(f"{est[f'tau/{s}']:.3f}" for s in sets)
+        + f" | {est['tau']:.3f} |"
+    )
+    for n in budgets:
+        row = " | ".join(f"{est[f'tree{n}/tau/{s}']:.3f}" for s in sets)
+        print(f"| tree of {n} | {row} | {est[f'tree{n}/tau/all']:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

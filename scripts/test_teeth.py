@@ -1409,6 +1409,13 @@ BUGS = [
         "tests/test_runner.py::test_a_draft_beside_a_target_on_our_kernels_runs_on_them_too",
     ),
     (
+        "offline trees: no siblings (every tree a chain)",
+        "flashdraft/bench/acceptance.py",
+        "        if r + 1 < len(probs[d]):  # the next sibling",
+        "        if False:  # the next sibling",
+        "tests/test_acceptance.py::test_a_tree_from_the_blocks_marginals_is_built_best_first_and_accepts_its_deepest_match",
+    ),
+    (
         "default: torch's int8 even where our kernels run",
         "flashdraft/models/load.py",
         '        return Quantization.of("q8_0" if kernels.available() else "int8")',

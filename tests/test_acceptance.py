@@ -85,3 +85,20 @@ def test_offline_walk_with_the_context_vocabulary_is_the_real_loop():
         joined += res.acceptance_lengths
         plain += walk(acceptance_lengths(draft, target, prompt, res.tokens))
     assert joined != plain  # the context's tokens changed what got accepted: the test can see them
+
+
+def test_a_tree_from_the_blocks_marginals_is_built_best_first_and_accepts_its_deepest_match():
+    """Marginals of 3 block positions (ranks 0.5 / 0.3 / 0.2, then 0.6 / 0.4, then 0.9 / 0.1): best-first,
+    3 nodes give the paths (0), (0, 0) and (1): path probabilities 0.5, 0.3 and 0.3; 4 nodes add (0, 0, 0)
+    (0.27) before (0, 1) (0.2). The verify commits the deepest node on the target's own path, plus one."""
+    from flashdraft.bench.acceptance import tree_accepted
+
+    probs = [[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [0.9, 0.1, 0.0]]
+    tokens = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert tree_accepted(probs, tokens, [1, 4, 7], 3) == 3  # (0, 0, 0) not in the tree yet
+    assert tree_accepted(probs, tokens, [1, 4, 7], 4) == 4  # the whole block and the bonus token
+    assert tree_accepted(probs, tokens, [2, 4, 7], 3) == 2  # the second-ranked first token: a sibling
+    assert tree_accepted(probs, tokens, [1, 5, 7], 4) == 2  # (0, 1) comes only with the fifth node
+    assert tree_accepted(probs, tokens, [1, 5, 7], 5) == 3
+    assert tree_accepted(probs, tokens, [9, 9, 9], 16) == 1  # nothing matches: the bonus token alone
+    assert tree_accepted(probs, tokens, [1, 4], 16) == 3  # the reference ends: no deeper than it

@@ -55,6 +55,28 @@ def read_references(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def _block_logits(draft, target, prompt_ids, response_ids, chunk: int, context_vocab: bool):
+    """The draft's logits at every anchor among the response positions, `chunk` anchors at a time:
+    yields (anchors, logits (anchors, B, V), ids of the whole sequence)."""
+    b = draft.config.block_size
+    ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
+    n_prompt, n = len(prompt_ids), ids.numel()
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[n_prompt:] = True
+    feats = None
+    for part in torch.arange(n_prompt, n - 1).split(chunk):
+        batch = build_batch([(ids, mask)], [part], b, draft.config.mask_token_id, 1.0).to(target.device)
+        if feats is None:
+            feats = target_features(target, batch, draft.config.target_layer_ids)
+        hidden = draft_hidden(draft, target, batch, draft.fc.weight.dtype, feats)
+        context = [ids[: p + 1] for p in part.tolist()] if context_vocab and draft.vocab is not None else None
+        yield (
+            part,
+            draft.propose_logits(hidden.to(target.dtype).view(len(part), b, -1), target.lm_head, context),
+            ids,
+        )
+
+
 @torch.no_grad()
 def acceptance_lengths(
     draft: DFlashDraft,
@@ -71,29 +93,63 @@ def acceptance_lengths(
     The anchor at p sees target features of positions < p, exactly the training layout (whose equality
     with the inference forward is tested). Anchors go through the draft `chunk` at a time. `context_vocab`:
     the tokens up to each anchor join the draft vocabulary, as `DFlashProposer(context_vocab=True)` does."""
-    b = draft.config.block_size
-    ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
-    n_prompt, n = len(prompt_ids), ids.numel()
-    if n - 1 <= n_prompt:
-        return torch.zeros(0, dtype=torch.long)
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[n_prompt:] = True
-    everything = torch.arange(n_prompt, n - 1)
-    feats = None
-    out = []
-    for part in everything.split(chunk):
-        batch = build_batch([(ids, mask)], [part], b, draft.config.mask_token_id, 1.0).to(target.device)
-        if feats is None:
-            feats = target_features(target, batch, draft.config.target_layer_ids)
-        hidden = draft_hidden(draft, target, batch, draft.fc.weight.dtype, feats)
-        context = [ids[: p + 1] for p in part.tolist()] if context_vocab and draft.vocab is not None else None
-        logits = draft.propose_logits(hidden.to(target.dtype).view(len(part), b, -1), target.lm_head, context)
+    b, out = draft.config.block_size, []
+    for part, logits, ids in _block_logits(draft, target, prompt_ids, response_ids, chunk, context_vocab):
+        n = ids.numel()
         guess = logits.argmax(-1)[:, 1:].cpu()
         pos = part[:, None] + torch.arange(1, b)  # the positions each block drafts
         hit = (guess == ids[pos.clamp(max=n - 1)]) & (pos < n)
         accepted = torch.cumprod(hit.long(), dim=1).sum(1)
         out.append(torch.minimum(accepted + 1, n - 1 - part))
-    return torch.cat(out)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def tree_accepted(probs: list[list[float]], tokens: list[list[int]], truth: list[int], budget: int) -> int:
+    """Tokens a greedy verify commits with a tree of `budget` drafted tokens built best-first from the
+    block's marginals (as DDTree builds it): probs[d] / tokens[d], the top candidates of block position
+    d + 1, most likely first; a node's path probability is the product of its tokens' marginals. The
+    verify accepts the deepest node whose path equals the target's own next tokens `truth`, plus its
+    bonus token. A chain is the tree whose every node has one child (budget = block size - 1)."""
+    import heapq
+
+    depth = min(len(probs), len(truth))
+    children: dict[tuple, set[int]] = {}  # path (tuple of ranks) -> ranks of its children in the tree
+    heap = [(-probs[0][0], (0,), 1.0)] if depth else []  # (-path probability, ranks, parent's probability)
+    for _ in range(budget):
+        if not heap:
+            break
+        neg, path, parent = heapq.heappop(heap)
+        children.setdefault(path[:-1], set()).add(path[-1])
+        d, r = len(path) - 1, path[-1]
+        if r + 1 < len(probs[d]):  # the next sibling
+            heapq.heappush(heap, (-parent * probs[d][r + 1], (*path[:-1], r + 1), parent))
+        if d + 1 < depth:  # the first child
+            heapq.heappush(heap, (neg * probs[d + 1][0], (*path, 0), -neg))
+    path, accepted = (), 0
+    while accepted < depth:
+        hits = [r for r in children.get(path, ()) if tokens[accepted][r] == truth[accepted]]
+        if not hits:
+            break
+        path, accepted = (*path, hits[0]), accepted + 1
+    return accepted + 1
+
+
+@torch.no_grad()
+def tree_lengths(
+    draft: DFlashDraft, target: Target, prompt_ids, response_ids, budgets: Sequence[int], chunk: int = 64
+) -> dict[int, torch.Tensor]:
+    """`acceptance_lengths` for trees of each budget (`tree_accepted`), capped the same way."""
+    b, top = draft.config.block_size, max(budgets)
+    out: dict[int, list[int]] = {n: [] for n in budgets}
+    for part, logits, ids in _block_logits(draft, target, prompt_ids, response_ids, chunk, False):
+        probs, tokens = logits[:, 1:].float().softmax(-1).topk(min(top, logits.shape[-1]), -1)
+        n = ids.numel()
+        for i, p in enumerate(part.tolist()):
+            truth = ids[p + 1 : min(n, p + b)].tolist()
+            pr, tk = probs[i].tolist(), tokens[i].tolist()
+            for budget in budgets:
+                out[budget].append(min(tree_accepted(pr, tk, truth, budget), n - 1 - p))
+    return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
 
 
 def walk(lengths: torch.Tensor) -> list[int]:
@@ -138,4 +194,22 @@ def offline_tau(
         out[f"tau_all/{name}"] = float(torch.cat(every[name]).mean())
     out["anchors"] = int(pooled.numel())
     out["position_acceptance"] = [round(x, 4) for x in position_acceptance(steps, draft.config.block_size)]
+    return out
+
+
+def offline_trees(draft: DFlashDraft, target: Target, references: list[dict], budgets: Sequence[int]) -> dict:
+    """Per set and pooled, for trees of each budget (`tree_lengths`): "tau" (walked, as the real loop
+    visits anchors) and "tau_all" (every anchor), keyed "tree<budget>/..." like `offline_tau`'s."""
+    walked: dict[tuple[int, str], list[int]] = {}
+    every: dict[tuple[int, str], list[torch.Tensor]] = {}
+    for r in references:
+        lengths = tree_lengths(draft, target, r["prompt_ids"], r["response_ids"], budgets)
+        for budget, v in lengths.items():
+            for name in (r.get("set", "all"), "all"):
+                walked.setdefault((budget, name), []).extend(walk(v))
+                every.setdefault((budget, name), []).append(v.double())
+    out = {}
+    for (budget, name), v in walked.items():
+        out[f"tree{budget}/tau/{name}"] = sum(v) / max(1, len(v))
+        out[f"tree{budget}/tau_all/{name}"] = float(torch.cat(every[budget, name]).mean())
     return out
