@@ -87,7 +87,9 @@ def _build(cache: Path) -> Path:
     try:
         done = subprocess.run(_command(Path(tmp)), capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed")
+            raise RuntimeError(
+                done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "the build failed"
+            )
         os.replace(tmp, lib)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -104,7 +106,10 @@ def available() -> bool:
             torch.ops.load_library(str(_build(cache_root() / "kernels")))
             _state["ok"] = True
         except (OSError, RuntimeError, FileNotFoundError) as e:
-            log.warning(f"flashdraft's CPU kernels are not available ({e}): torch's int8 kernel runs instead")
+            log.warning(
+                f"flashdraft's CPU kernels are not available ({e or type(e).__name__}): torch's int8 kernel "
+                "runs instead (a C++ compiler, g++ or $CXX, gives the faster default)"
+            )
             _state["ok"] = False
     return _state["ok"]
 
