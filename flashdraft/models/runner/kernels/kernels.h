@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <immintrin.h>
 
 #include <cstdint>
 
@@ -14,3 +15,14 @@ int64_t best_path();
 // x (M, K) times packed Q8_0 / Q4_1 weights' transpose: (M, n) in x's dtype (see qgemm.cpp).
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n, int64_t kind,
                  int64_t path);
+
+// 8 floats' bfloat16 bits (in 32-bit lanes) with AVX2, those of c10::BFloat16(float): round to nearest
+// even, NaN -> 0x7FC0. Both files' bf16 stores use it, so they round as torch casts.
+inline __attribute__((target("avx2,fma"))) __m256i bf16_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}

@@ -79,16 +79,7 @@ __attribute__((target("avx2,fma"))) __m256 fexp8(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), valid);
 }
 
-// Rounded to bf16 and back (`rb` on 8 lanes): round to nearest even, as c10::BFloat16 does.
-__attribute__((target("avx2,fma"))) __m256i bf16_bits(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7FFF));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-}
-
+// Rounded to bf16 and back (`rb` on 8 lanes), by kernels.h's `bf16_bits`.
 __attribute__((target("avx2,fma"))) __m256 rb8(__m256 v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
 }

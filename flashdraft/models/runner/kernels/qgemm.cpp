@@ -302,16 +302,7 @@ void run_tile(int64_t path, int64_t kind, const uint8_t* w, const uint16_t* sc, 
   fn(w, sc, a, r0, out);
 }
 
-// 16 floats to bfloat16 with AVX2, the bits of c10::BFloat16(float): round to nearest even, NaN -> 0x7FC0.
-__attribute__((target("avx2,fma"))) __m256i bf16_bits(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7FFF));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-}
-
+// 16 floats to bfloat16 with AVX2 (`bf16_bits`, kernels.h), as torch casts.
 __attribute__((target("avx2,fma"))) void store_bf16_avx2(const float* v, uint16_t* y) {
   const __m256i lo = bf16_bits(_mm256_loadu_ps(v)), hi = bf16_bits(_mm256_loadu_ps(v + 8));
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
