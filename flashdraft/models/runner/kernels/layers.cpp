@@ -12,8 +12,9 @@
 //     final reduction (`dot8`), the softmax's max and sum and the weighted sum of values run over the
 //     slots in order; a masked slot's weight is exactly 0 (`fexp` of a huge negative is 0), so masked
 //     or dead slots leave the sums' bits alone.
-//   - `fexp` is our own exp (Cody-Waite and a degree-6 polynomial), the same bits on every path.
-// The scalar REFERENCE path and the AVX2 / AVX512 paths differ only in `dot8`'s instructions.
+//   - `fexp` is our own exp (Cody-Waite reduction and Cephes' expf polynomial), the same bits on every path.
+// The scalar REFERENCE path and the AVX2 / AVX512 paths differ in the instructions of `dot8`, of the
+// softmax's exps and of SiLU (8 lanes at a time, the same operations per lane), not in their bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
