@@ -1416,9 +1416,16 @@ BUGS = [
         "tests/test_acceptance.py::test_a_tree_from_the_blocks_marginals_is_built_best_first_and_accepts_its_deepest_match",
     ),
     (
+        "default: our CPU kernels chosen for a GPU target",
+        "flashdraft/models/load.py",
+        '        return Quantization.of("q8_0" if cpu and kernels.available() else "int8")',
+        '        return Quantization.of("q8_0" if kernels.available() else "int8")',
+        "tests/test_runner_default.py::test_our_cpu_kernels_are_not_the_default_on_other_devices",
+    ),
+    (
         "default: torch's int8 even where our kernels run",
         "flashdraft/models/load.py",
-        '        return Quantization.of("q8_0" if kernels.available() else "int8")',
+        '        return Quantization.of("q8_0" if cpu and kernels.available() else "int8")',
         '        return Quantization.of("int8")',
         "tests/test_runner_default.py::test_the_default_is_the_exact_native_runner_in_bf16",
     ),

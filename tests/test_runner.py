@@ -410,6 +410,7 @@ def test_a_draft_beside_a_target_on_our_kernels_runs_on_them_too():
     """DFlashProposer gives a bf16 draft of a q8_0 / q4_1 target a copy whose linears (and vocabulary
     head) run on the kernels: the draft passed in keeps its own dense weights, the copy's hidden states
     stay close to the dense draft's, and the copy cannot be saved as if it were the draft."""
+    from flashdraft.models.draft import DraftError
     from flashdraft.models.runner.quant import BlockLinear
 
     run = quantized("llama", "q8_0")
@@ -427,6 +428,8 @@ def test_a_draft_beside_a_target_on_our_kernels_runs_on_them_too():
     assert (got - want).norm() / want.norm() < 0.05
     logits = copy.propose_logits(got.bfloat16(), run.lm_head)
     assert torch.isinf(logits[..., 1::2]).all() and torch.isfinite(logits[..., ::2]).all()
-    with pytest.raises(TypeError):
+    with pytest.raises(
+        DraftError, match="quantized copy of a draft for proposing.*save the draft it came from"
+    ):
         copy.save_pretrained("/nonexistent")
     assert DFlashProposer(draft, quantized("llama", "int8")).draft is draft  # torch's kernels: as it is

@@ -78,3 +78,15 @@ def test_transformers_on_request_and_where_the_runner_cannot(dirs):
         load_target(dirs / "llama", runner="fast")
     with pytest.raises(TargetError, match="quantize must be auto or one of"):
         load_target(dirs / "llama", quantize="int3")
+
+
+def test_our_cpu_kernels_are_not_the_default_on_other_devices():
+    """On a GPU the default stays torch's int8 (our kernels read CPU memory), and asking for q8_0 there
+    is a clear error, before any model loads."""
+    from flashdraft.models.load import default_quantization
+
+    assert default_quantization(torch.bfloat16, "auto", "cuda") == Quantization("int8", "int8")
+    with pytest.raises(TargetError, match="--quantize q4_1 runs on our CPU kernels: use --device cpu"):
+        default_quantization(torch.bfloat16, "q4_1", "cuda:0")
+    ours = "q8_0" if kernels.available() else "int8"
+    assert default_quantization(torch.bfloat16, "auto", "cpu") == Quantization(ours, ours)

@@ -412,6 +412,12 @@ def quantized_rows(lm_head: nn.Module, rows: torch.Tensor, kind: str) -> nn.Modu
     return BlockLinear(w[rows], None if bias is None else bias.detach()[rows], dtype, kind)
 
 
+def _not_savable(*args, **kwargs):
+    raise DraftError(
+        "this is a quantized copy of a draft for proposing (DFlashDraft.quantized): save the draft it came from"
+    )
+
+
 class DFlashDraft(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -689,7 +695,7 @@ class DFlashDraft(nn.Module):
                     setattr(module, name, BlockLinear(child.weight.detach(), child.bias, dtype, kind))
         q.requires_grad_(False)
         q.head_kind, q._vocab_head = kind, None
-        q.save_pretrained = None  # its weights are no longer the draft's own
+        q.save_pretrained = _not_savable  # its weights are no longer the draft's own
         return q
 
     def check_target(self, target) -> None:

@@ -532,7 +532,7 @@ def load_target(
         raise TargetError(f"--quantize {quantize} needs the native runner: drop --runner transformers")
     kind, text, path = target_kind(spec), str(spec), Path(spec).expanduser()
     dtype = resolve_dtype(dtype, device)
-    plan = None if runner == "transformers" else default_quantization(dtype, quantize)
+    plan = None if runner == "transformers" else default_quantization(dtype, quantize, device)
     # Quantize from the checkpoint's own values (float32 for converted GGUFs), not from a bf16 copy.
     load_dtype = (
         torch.float32 if plan is not None and plan.layers != "none" and dtype != torch.float64 else dtype
@@ -558,7 +558,7 @@ def load_target(
     return run
 
 
-def default_quantization(dtype: torch.dtype, quantize: str = "auto") -> Quantization:
+def default_quantization(dtype: torch.dtype, quantize: str = "auto", device: str = "cpu") -> Quantization:
     """The native runner's weights. Explicit "none" / "int8" / "int4" apply to layers and head alike.
     "auto": quantized weights with bf16 activations (the exact combination, see `RunnerTarget.exact`),
     dense otherwise. Quantized means q8_0 on our kernels (blocks of 32, int8 activations), and
@@ -569,12 +569,17 @@ def default_quantization(dtype: torch.dtype, quantize: str = "auto") -> Quantiza
     France?"; our q4_1 keeps the file's fp16 scales."""
     from flashdraft.models.runner import QUANTIZE, kernels
 
+    cpu = torch.device(device).type == "cpu"  # our kernels are CPU kernels
     if quantize == "auto":
         if dtype != torch.bfloat16:
             return Quantization()
-        return Quantization.of("q8_0" if kernels.available() else "int8")
+        return Quantization.of("q8_0" if cpu and kernels.available() else "int8")
     if quantize not in QUANTIZE:
         raise TargetError(f"quantize must be auto or one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    if quantize in kernels.KINDS and not cpu:
+        raise TargetError(
+            f"--quantize {quantize} runs on our CPU kernels: use --device cpu, or --quantize int8"
+        )
     if quantize in kernels.KINDS and not kernels.available():
         raise TargetError(
             f"--quantize {quantize} needs flashdraft's CPU kernels, which could not be built "

@@ -7,8 +7,8 @@ steps. A dense bf16 GEMM is not (its blocking changes with M).
 
 - "q8_0" / "q4_1" (`BlockLinear`): our kernels (`kernels/qgemm.cpp`), which read each weight once for
   all rows (a verify of 8 rows costs a fraction of 8 steps) and quantize the activations per row and
-  block of 32 to int8, as llama.cpp does: invariant by construction, and a GGUF's Q8_0 / Q4_1 / Q4_0
-  blocks run as they are stored.
+  block of 32 to int8, as llama.cpp does: invariant by construction, and a GGUF's Q8_0 / Q4_1
+  blocks run as they are stored. CPU only.
 - "int8" / "int4": torch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), bf16
   activations; they take rows 4 at a time, so a verify costs more with every 4 rows. The fallback
   where our kernels cannot be built.

@@ -325,6 +325,7 @@ void store(const float* v, T* y, int64_t cols, bool vector) {
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n, int64_t kind,
                  int64_t path) {
   TORCH_CHECK(x.dim() == 2, "qgemm: x must be 2D (rows, inputs)");
+  TORCH_CHECK(x.is_cpu() && qweight.is_cpu() && scales.is_cpu(), "qgemm: a CPU kernel, given tensors elsewhere");
   TORCH_CHECK(kind == Q8_0 || kind == Q4_1, "qgemm: kind must be 0 (Q8_0) or 1 (Q4_1)");
   TORCH_CHECK(qweight.dtype() == at::kByte && qweight.dim() == 3 && qweight.is_contiguous(),
               "qgemm: qweight must be contiguous uint8 (tiles, blocks, bytes)");
