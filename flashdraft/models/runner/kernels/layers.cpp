@@ -6,15 +6,17 @@
 // once (`rb`). Every row (a token of a batch row) is computed by the same sequence of operations
 // whatever else is in the call, so a verify row equals a one-token step and a row does not depend on
 // its batch, by construction:
-//   - norms, RoPE, SiLU and residuals are row-local, their sums sequential;
+//   - norms, RoPE, SiLU and residuals are row-local; a norm's sum of squares runs in 8 lanes with a
+//     fixed final tree (`tree8`);
 //   - the GEMMs are qgemm.cpp's (fixed order per output);
-//   - attention, per query and head: scores are dot products over head_dim in 8 lanes with a fixed
-//     final reduction (`dot8`), the softmax's max and sum and the weighted sum of values run over the
-//     slots in order; a masked slot's weight is exactly 0 (`fexp` of a huge negative is 0), so masked
-//     or dead slots leave the sums' bits alone.
+//   - attention, per query and head: scores in 8 lanes and `tree8`, the softmax's sum in 8 lanes over
+//     the slots, the weighted sum of values over the slots in order (see "attention" below); a masked
+//     slot's weight is exactly 0 (`fexp` of a huge negative is 0), so masked or dead slots, and the
+//     slots a causal query cannot see, leave the sums' bits alone;
 //   - `fexp` is our own exp (Cody-Waite reduction and Cephes' expf polynomial), the same bits on every path.
-// The scalar REFERENCE path and the AVX2 / AVX512 paths differ in the instructions of `dot8`, of the
-// softmax's exps and of SiLU (8 lanes at a time, the same operations per lane), not in their bits.
+// The scalar REFERENCE path and the AVX2 / AVX512 paths differ in their instructions (8 lanes at a
+// time, the same operations per lane), not in their bits. The only fused multiply-adds are written
+// out (std::fma in the reference), as the file is built with -ffp-contract=off.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -96,28 +98,6 @@ __attribute__((target("avx2,fma"))) void store_bf16(bf16* y, __m256 v) {
                    _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 
-// q . k over d (a multiple of 8): 8 lane sums, sequential, then ((0+4)+(2+6)) + ((1+5)+(3+7)).
-float dot8_reference(const float* q, const float* k, int64_t d) {
-  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t c = 0; c < d; c += 8)
-    for (int l = 0; l < 8; ++l) a[l] = a[l] + q[c + l] * k[c + l];
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
-
-// The same sums for n queries against one key, with AVX2: the n chains run side by side.
-__attribute__((target("avx2,fma"))) void dot8_avx2(const float* const* q, int n, const float* k, int64_t d,
-                                                  float* out) {
-  for (int i = 0; i < n; ++i) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d; c += 8)
-      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q[i] + c), _mm256_loadu_ps(k + c)));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    out[i] = _mm_cvtss_f32(s);
-  }
-}
-
 struct Linear {
   at::Tensor packed, scales, bias;
   int64_t n, kind;
@@ -141,27 +121,115 @@ at::Tensor linear(const Linear& l, const at::Tensor& x, int64_t path) {
   return l.bias.numel() ? y.add_(l.bias) : y;  // bf16 add, as the torch layer's `y + bias`
 }
 
+// The fixed final order of 8 lane sums: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
+inline float tree8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+// The sum of squares of n values in 8 lanes (lane l: elements l, l + 8, ... in order, each a fused
+// multiply-add), then `tree8`. `vector`: the whole groups of 8 with AVX2, the same operations.
+__attribute__((target("avx2,fma"))) int64_t sumsq_avx2(const bf16* x, int64_t n, float* lanes) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load_bf16(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  _mm256_storeu_ps(lanes, acc);
+  return i;
+}
+
+float sumsq(const bf16* x, int64_t n, bool vector) {
+  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = vector ? sumsq_avx2(x, n, a) : 0;
+  for (; i < n; ++i) a[i % 8] = std::fma(static_cast<float>(x[i]), static_cast<float>(x[i]), a[i % 8]);
+  return tree8(a);
+}
+
+// y = w * rb(x * inv), 8 at a time.
+__attribute__((target("avx2,fma"))) int64_t scale_avx2(const bf16* x, const bf16* w, bf16* y, int64_t n, float inv) {
+  const __m256 s = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    store_bf16(y + i, _mm256_mul_ps(load_bf16(w + i), rb8(_mm256_mul_ps(load_bf16(x + i), s))));
+  return i;
+}
+
 // y = w * norm(x) per row of `width` (x and y may be the same), as llama.py's rms_norm: the statistic
-// in float32, the normed value rounded to bf16, then times the weight.
-FD_CLONES void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t width, int64_t stride, double eps) {
+// in float32 (`sumsq`), the normed value rounded to bf16, then times the weight.
+void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t width, int64_t stride, double eps,
+              bool vector) {
   for (int64_t r = 0; r < rows; ++r) {
     const bf16* xr = x + r * stride;
     bf16* yr = y + r * stride;
-    float ss = 0.f;
-    for (int64_t i = 0; i < width; ++i) ss = ss + static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(width) + static_cast<float>(eps));
-    for (int64_t i = 0; i < width; ++i) yr[i] = bf16(static_cast<float>(w[i]) * rb(static_cast<float>(xr[i]) * inv));
+    const float inv = 1.f / std::sqrt(sumsq(xr, width, vector) / static_cast<float>(width) + static_cast<float>(eps));
+    int64_t i = vector ? scale_avx2(xr, w, yr, width, inv) : 0;
+    for (; i < width; ++i) yr[i] = bf16(static_cast<float>(w[i]) * rb(static_cast<float>(xr[i]) * inv));
+  }
+}
+
+// RoPE on one head, 8 pairs at a time: x[i] = rb(x[i] cos[i]) + rb(x[i + half] sin[i]) and
+// x[i + half] = rb(x[i + half] cos[i + half]) + rb(x[i] sin[i + half]).
+__attribute__((target("avx2,fma"))) void rope_avx2(bf16* x, const bf16* cos, const bf16* sin, int64_t half) {
+  for (int64_t i = 0; i < half; i += 8) {
+    const __m256 a = load_bf16(x + i), b = load_bf16(x + half + i);
+    store_bf16(x + i, _mm256_add_ps(rb8(_mm256_mul_ps(a, load_bf16(cos + i))),
+                                    rb8(_mm256_mul_ps(b, load_bf16(sin + i)))));
+    store_bf16(x + half + i, _mm256_add_ps(rb8(_mm256_mul_ps(b, load_bf16(cos + half + i))),
+                                           rb8(_mm256_mul_ps(a, load_bf16(sin + half + i)))));
   }
 }
 
 // x * cos + roll(x, d / 2) * sin (sin's first half negated by the caller, as llama.py's tables are).
-FD_CLONES void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t d) {
+void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t d, bool vector) {
+  const int64_t half = d / 2;
+  if (vector && half % 8 == 0) return rope_avx2(x, cos, sin, half);
   float t[512];
   for (int64_t i = 0; i < d; ++i) t[i] = static_cast<float>(x[i]);
   for (int64_t i = 0; i < d; ++i) {
-    const float rolled = t[(i + d / 2) % d];
+    const float rolled = t[i < half ? i + half : i - half];
     x[i] = bf16(rb(t[i] * static_cast<float>(cos[i])) + rb(rolled * static_cast<float>(sin[i])));
   }
+}
+
+FD_CLONES void to_float(const bf16* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(x[i]);
+}
+
+// ---- attention -----------------------------------------------------------------------------------
+// Per query, head and slot, in this order on every path:
+//   score = q . k in 8 lanes (lane l: elements l, l + 8, ... in order, fused multiply-adds), `tree8`,
+//           times the scale, plus the mask;
+//   p     = fexp(score - max), divided by the sum of the p's in 8 lanes (lane l: slots l, l + 8, ...)
+//           and `tree8`;
+//   out   = per element, the sum over slots in order of fma(p, v); a zero p is skipped.
+// The AVX2 code runs these operations lane by lane (it only transposes the scores' lane sums before
+// adding them up, in the same tree), so each number has the reference's bits.
+
+// The dot products of q with 8 keys (k: 8 rows of d floats) into out[0..8).
+__attribute__((target("avx2,fma"))) void dots8_avx2(const float* q, const float* k, int64_t d, float* out) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * d + c), a[j]);
+  }
+  // tree8 of each key's lanes, 8 keys at once: (l0 + l4, l1 + l5, l2 + l6, l3 + l7), then the pairs
+  // (l0 + l4) + (l2 + l6) and (l1 + l5) + (l3 + l7), then their sum.
+  __m256 b[4];
+  for (int j = 0; j < 4; ++j)
+    b[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * j], a[2 * j + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * j], a[2 * j + 1], 0x31));
+  const __m256 c01 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xEE));
+  const __m256 c23 = _mm256_add_ps(_mm256_shuffle_ps(b[2], b[3], 0x44), _mm256_shuffle_ps(b[2], b[3], 0xEE));
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(c01, c23, 0x88), _mm256_shuffle_ps(c01, c23, 0xDD));
+  // r holds keys 0, 2, 4, 6 | 1, 3, 5, 7
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+float dot_reference(const float* q, const float* k, int64_t d) {
+  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t c = 0; c < d; c += 8)
+    for (int l = 0; l < 8; ++l) a[l] = std::fma(q[c + l], k[c + l], a[l]);
+  return tree8(a);
 }
 
 // s[j] = fexp(s[j] - top) for the whole groups of 8; returns how many it did.
@@ -172,58 +240,104 @@ __attribute__((target("avx2,fma"))) int64_t exp_avx2(float* s, int64_t n, float 
   return j;
 }
 
-FD_CLONES void to_float(const bf16* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(x[i]);
+// The sum of s[0..n8) (n8 a multiple of 8) in 8 lanes; then s[j] /= sum.
+__attribute__((target("avx2,fma"))) void normalize_avx2(float* s, int64_t n8) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n8; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + j));
+  float a[8];
+  _mm256_storeu_ps(a, acc);
+  const __m256 sum = _mm256_set1_ps(tree8(a));
+  for (int64_t j = 0; j < n8; j += 8) _mm256_storeu_ps(s + j, _mm256_div_ps(_mm256_loadu_ps(s + j), sum));
 }
 
-// A query's softmax over its scores in place: the max (exact in any order), exps, the sum over slots
-// in order, and the quotients. `vector`: the exps on 8 lanes (the same bits as `fexp`).
+// A query's softmax over its n scores in place; s has room for n rounded up to 8, zeroed past n.
 void softmax(float* s, int64_t n, bool vector) {
-  float top = std::numeric_limits<float>::lowest(), sum = 0.f;
+  const int64_t n8 = (n + 7) / 8 * 8;
+  float top = std::numeric_limits<float>::lowest();
   for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
-  int64_t j = 0;
-  if (vector) j = exp_avx2(s, n, top);
+  int64_t j = vector ? exp_avx2(s, n, top) : 0;
   for (; j < n; ++j) s[j] = fexp(s[j] - top);
-  for (j = 0; j < n; ++j) sum = sum + s[j];
-  for (j = 0; j < n; ++j) s[j] = s[j] / sum;
+  for (; j < n8; ++j) s[j] = 0.f;
+  if (vector) {
+    normalize_avx2(s, n8);
+    return;
+  }
+  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (j = 0; j < n8; ++j) a[j % 8] = a[j % 8] + s[j];
+  const float sum = tree8(a);
+  for (j = 0; j < n8; ++j) s[j] = s[j] / sum;
 }
 
-// out = sum over slots in order of p_j v_j, per element of head_dim; a zero weight adds nothing.
-FD_CLONES void weigh(const float* p, const bf16* values, int64_t n, int64_t d, bf16* out) {
-  float acc[512] = {0};
+// out[c0..c0 + 8 NV) = the sum over slots in order of fma(p_j, v_j).
+template <int NV>
+__attribute__((target("avx2,fma"))) void weigh_avx2(const float* p, const float* v, int64_t n, int64_t d, int64_t c0,
+                                                   bf16* out) {
+  __m256 acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     if (p[j] == 0.f) continue;  // a masked or dead slot: skipping it keeps the bits
-    const bf16* v = values + j * d;
-    for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] + p[j] * static_cast<float>(v[i]);
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * d + c0 + 8 * i), acc[i]);
   }
-  for (int64_t i = 0; i < d; ++i) out[i] = bf16(acc[i]);
+  for (int i = 0; i < NV; ++i) store_bf16(out + c0 + 8 * i, acc[i]);
 }
 
-// Attention of n queries that share a kv head over its slots 0..end: query i is q[i] (head_dim
-// values), sees slot j where mask[i][j] adds 0 (no mask: j <= visible[i]) and writes out[i]. Each
-// query's numbers do not depend on the others: they only share the keys' conversion to float.
-void attend(const Model& m, const bf16* const* q, int n, const bf16* keys, const bf16* values, int64_t end,
-            const int64_t* visible, const float* const* mask, bf16* const* out, int64_t path) {
-  const int64_t d = m.head_dim;
-  const float scale = static_cast<float>(m.scale), lowest = std::numeric_limits<float>::lowest();
-  std::vector<float> qf(n * d), kf(d), s(n * end), dots(n);
-  std::vector<const float*> qs(n);
-  for (int i = 0; i < n; ++i) {
-    to_float(q[i], qf.data() + i * d, d);
-    qs[i] = qf.data() + i * d;
+void weigh(const float* p, const float* v, int64_t n, int64_t d, bf16* out, bool vector) {
+  if (vector) {
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+      switch (std::min<int64_t>(8, (d - c0) / 8)) {
+        case 1: weigh_avx2<1>(p, v, n, d, c0, out); break;
+        case 2: weigh_avx2<2>(p, v, n, d, c0, out); break;
+        case 3: weigh_avx2<3>(p, v, n, d, c0, out); break;
+        case 4: weigh_avx2<4>(p, v, n, d, c0, out); break;
+        case 5: weigh_avx2<5>(p, v, n, d, c0, out); break;
+        case 6: weigh_avx2<6>(p, v, n, d, c0, out); break;
+        case 7: weigh_avx2<7>(p, v, n, d, c0, out); break;
+        default: weigh_avx2<8>(p, v, n, d, c0, out);
+      }
+    }
+    return;
   }
-  for (int64_t j = 0; j < end; ++j) {
-    to_float(keys + j * d, kf.data(), d);
-    if (path == REFERENCE)
-      for (int i = 0; i < n; ++i) dots[i] = dot8_reference(qs[i], kf.data(), d);
-    else
-      dot8_avx2(qs.data(), n, kf.data(), d, dots.data());
-    for (int i = 0; i < n; ++i)
-      s[i * end + j] = mask[i] ? dots[i] * scale + mask[i][j] : (j <= visible[i] ? dots[i] * scale : lowest);
+  for (int64_t c = 0; c < d; ++c) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < n; ++j)
+      if (p[j] != 0.f) acc = std::fma(p[j], v[j * d + c], acc);
+    out[c] = bf16(acc);
   }
+}
+
+struct Scratch {  // a thread's: one query, the slots' keys and values, and the scores, in float
+  std::vector<float> q, k, v, s;
+};
+
+// Attention of n queries that share a kv head over its slots 0..kend: query i is q[i] (head_dim
+// values), sees slot j where mask[i][j] adds 0 (no mask: j <= visible[i] < kend) and writes out[i].
+// Each query's numbers do not depend on the others: they only share the slots' conversion to float.
+void attend(const Model& m, const bf16* const* q, int n, const bf16* keys, const bf16* values, int64_t kend,
+            const int64_t* visible, const float* const* mask, bf16* const* out, bool vector, Scratch& w) {
+  const int64_t d = m.head_dim, k8 = (kend + 7) / 8 * 8;
+  const float scale = static_cast<float>(m.scale);
+  w.q.resize(d);
+  w.k.resize(k8 * d);
+  w.v.resize(kend * d);
+  w.s.resize(k8);
+  to_float(keys, w.k.data(), kend * d);
+  std::fill(w.k.begin() + kend * d, w.k.end(), 0.f);  // the last group's missing keys
+  to_float(values, w.v.data(), kend * d);
   for (int i = 0; i < n; ++i) {
-    softmax(s.data() + i * end, end, path != REFERENCE);
-    weigh(s.data() + i * end, values, end, d, out[i]);
+    const int64_t len = mask[i] ? kend : visible[i] + 1;  // the slots it may see
+    float* s = w.s.data();
+    to_float(q[i], w.q.data(), d);
+    for (int64_t j = 0; j < len; j += 8) {
+      if (vector) {
+        dots8_avx2(w.q.data(), w.k.data() + j * d, d, s + j);
+      } else {
+        for (int64_t u = j; u < std::min(len, j + 8); ++u) s[u] = dot_reference(w.q.data(), w.k.data() + u * d, d);
+      }
+    }
+    for (int64_t j = 0; j < len; ++j) s[j] = mask[i] ? s[j] * scale + mask[i][j] : s[j] * scale;
+    softmax(s, len, vector);
+    weigh(s, w.v.data(), len, d, out[i], vector);
   }
 }
 
@@ -260,22 +374,23 @@ void layer_forward(const Model& m, const Layer& L, at::Tensor& x, int64_t b, int
                    int64_t path) {
   const int64_t rows = b * t, hidden = x.size(1), h = m.heads, kvh = m.kv_heads, d = m.head_dim;
   const int64_t end = start + t, cap = kc.size(2);
+  const bool vector = path != REFERENCE;
   at::Tensor hx = at::empty_like(x);
-  rms_norm(x.data_ptr<bf16>(), L.norm1.data_ptr<bf16>(), hx.data_ptr<bf16>(), rows, hidden, hidden, m.eps);
+  rms_norm(x.data_ptr<bf16>(), L.norm1.data_ptr<bf16>(), hx.data_ptr<bf16>(), rows, hidden, hidden, m.eps, vector);
   at::Tensor qkv = linear(L.qkv, hx, path);  // (rows, (h + 2 kvh) d)
   bf16* p = qkv.data_ptr<bf16>();
   const int64_t width = (h + 2 * kvh) * d;
   if (L.qnorm.numel()) {  // Qwen3: every head of q and k normed before RoPE
     for (int64_t r = 0; r < rows; ++r) {
-      rms_norm(p + r * width, L.qnorm.data_ptr<bf16>(), p + r * width, h, d, d, m.eps);
-      rms_norm(p + r * width + h * d, L.knorm.data_ptr<bf16>(), p + r * width + h * d, kvh, d, d, m.eps);
+      rms_norm(p + r * width, L.qnorm.data_ptr<bf16>(), p + r * width, h, d, d, m.eps, vector);
+      rms_norm(p + r * width + h * d, L.knorm.data_ptr<bf16>(), p + r * width + h * d, kvh, d, d, m.eps, vector);
     }
   }
   bf16* kp = kc.data_ptr<bf16>();
   bf16* vp = vc.data_ptr<bf16>();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = r / t, slot = start + r % t;
-    for (int64_t i = 0; i < h + kvh; ++i) rope(p + r * width + i * d, cos + r * d, sin + r * d, d);
+    for (int64_t i = 0; i < h + kvh; ++i) rope(p + r * width + i * d, cos + r * d, sin + r * d, d, vector);
     for (int64_t g = 0; g < kvh; ++g) {  // the new key and value into the cache (row, kv head, slot)
       const int64_t at_ = ((row * kvh + g) * cap + slot) * d;
       std::memcpy(kp + at_, p + r * width + (h + g) * d, d * sizeof(bf16));
@@ -284,13 +399,17 @@ void layer_forward(const Model& m, const Layer& L, at::Tensor& x, int64_t b, int
   }
   at::Tensor att = at::empty({rows, h * d}, x.options());
   bf16* ap = att.data_ptr<bf16>();
-  // Work items: (row, kv head, a chunk of the queries that read it: its heads' queries at each token).
-  const int64_t group = h / kvh, nq = group * t, chunk = nq <= 4 ? 2 : 4, chunks = (nq + chunk - 1) / chunk;
+  // Work items: (row, kv head, a chunk of the queries that read it: its heads' queries at each token,
+  // up to 16, so a chunk converts the slots once for many queries; at least two items a thread).
+  const int64_t group = h / kvh, nq = group * t, threads = at::get_num_threads();
+  const int64_t want = std::min(nq, std::max((nq + 15) / 16, (2 * threads + b * kvh - 1) / (b * kvh)));
+  const int64_t chunk = (nq + want - 1) / want, chunks = (nq + chunk - 1) / chunk;
   at::parallel_for(0, b * kvh * chunks, 1, [&](int64_t lo, int64_t hi) {
-    const bf16* qs[8];
-    bf16* outs[8];
-    const float* masks[8];
-    int64_t visible[8];
+    const bf16* qs[16];
+    bf16* outs[16];
+    const float* masks[16];
+    int64_t visible[16];
+    Scratch scratch;
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t row = item / (kvh * chunks), g = (item / chunks) % kvh, c0 = (item % chunks) * chunk;
       int n = 0;
@@ -301,15 +420,15 @@ void layer_forward(const Model& m, const Layer& L, at::Tensor& x, int64_t b, int
         masks[n] = mask ? mask + r * end : nullptr;
         visible[n] = start + tok;
       }
-      const int64_t base = (row * kvh + g) * cap * d;
-      attend(m, qs, n, kp + base, vp + base, end, visible, masks, outs, path);
+      const int64_t base = (row * kvh + g) * cap * d, kend = mask ? end : visible[n - 1] + 1;
+      attend(m, qs, n, kp + base, vp + base, kend, visible, masks, outs, vector, scratch);
     }
   });
   at::Tensor o = linear(L.o, att, path);
   bf16* xp = x.data_ptr<bf16>();
   const bf16* op = o.data_ptr<bf16>();
   add(xp, op, rows * hidden);
-  rms_norm(xp, L.norm2.data_ptr<bf16>(), hx.data_ptr<bf16>(), rows, hidden, hidden, m.eps);
+  rms_norm(xp, L.norm2.data_ptr<bf16>(), hx.data_ptr<bf16>(), rows, hidden, hidden, m.eps, vector);
   at::Tensor gu = linear(L.gate_up, hx, path);  // (rows, 2 inter): gate, then up
   const int64_t inter = gu.size(1) / 2;
   at::Tensor act = at::empty({rows, inter}, x.options());
@@ -318,7 +437,7 @@ void layer_forward(const Model& m, const Layer& L, at::Tensor& x, int64_t b, int
   at::parallel_for(0, rows * inter, 256, [&](int64_t lo, int64_t hi) {  // elementwise: any split
     for (int64_t r = lo / inter; r * inter < hi; ++r)
       silu_mul(gp + r * 2 * inter, actp + r * inter, inter, std::max(lo - r * inter, int64_t(0)),
-               std::min(hi - r * inter, inter), path != REFERENCE);
+               std::min(hi - r * inter, inter), vector);
   });
   at::Tensor down = linear(L.down, act, path);
   const bf16* dp = down.data_ptr<bf16>();

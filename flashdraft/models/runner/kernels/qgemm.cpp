@@ -9,10 +9,11 @@
 // Exact by construction: every output (row, column) is computed by the same sequence of operations,
 // whatever the number of rows, the row's place among them, the thread or the code path:
 //   isum_g = sum over the block of q * xq           (an exact integer, |isum| < 2^24)
-//   acc    = acc + float(isum_g) * (d_g * dx_g)      (for each block g in order, no fused multiply-add)
-//   acc    = acc + m_g * (dx_g * xsum_g)             (Q4_1 only: the minimum times the row's block sum)
+//   acc    = fma(float(isum_g), d_g * dx_g, acc)     (for each block g in order, one rounding)
+//   acc    = fma(m_g, dx_g * xsum_g, acc)            (Q4_1 only: the minimum times the row's block sum)
 // The AVX-512 VNNI, AVX2 and scalar reference paths below differ only in how they get the exact
-// integers, so they give the same bits (tests/test_kernels.py). Built with -ffp-contract=off.
+// integers, so they give the same bits (tests/test_kernels.py). Built with -ffp-contract=off: the only
+// fused multiply-adds are the written ones (std::fma in the reference, one rounding as the instruction).
 //
 // Packed layout (flashdraft/models/runner/kernels/__init__.py packs it): columns in tiles of 16,
 // inputs in blocks of 32, per (tile, block):
@@ -158,8 +159,8 @@ void tile_reference(int kind, const uint8_t* w, const uint16_t* sc, const Acts& 
         }
         const float dx = a.d[row * a.blocks + g];
         const float t = half(sc[g * scn + c]) * dx;
-        acc = acc + static_cast<float>(isum) * t;
-        if (kind == Q4_1) acc = acc + half(sc[g * scn + 16 + c]) * a.s[row * a.blocks + g];
+        acc = std::fma(static_cast<float>(isum), t, acc);
+        if (kind == Q4_1) acc = std::fma(half(sc[g * scn + 16 + c]), a.s[row * a.blocks + g], acc);
       }
       out[r * TILE + c] = acc;
     }
@@ -202,16 +203,14 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const uint8_t* w, const 
           isums[r] = _mm256_add_epi32(isums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
         }
       }
+      const __m256 m = KIND == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                          reinterpret_cast<const __m128i*>(sc + g * scn + 16 + h * 8)))
+                                    : _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * a.blocks + g;
-        const __m256i isum = isums[r];
         const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(a.d[i]));
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), t));
-        if (KIND == Q4_1) {
-          const __m256 m =
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * scn + 16 + h * 8)));
-          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(m, _mm256_set1_ps(a.s[i])));
-        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isums[r]), t, acc[r]);
+        if (KIND == Q4_1) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[i]), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * TILE + h * 8, acc[r]);
@@ -250,17 +249,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_a
       for (int r = 0; r < R; ++r)  // 4 activation bytes to every lane: folded into the dot product's load
         isums[r] = _mm512_dpbusd_epi32(isums[r], wv[j], _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(
                                                            xg + r * stride + 4 * j)));
+    const __m512 m = KIND == Q4_1
+                         ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * scn + 16)))
+                         : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * a.blocks + g;
       __m512i isum = isums[r];
       if (KIND == Q8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.sum[i]));  // the +128 offset
       const __m512 t = _mm512_mul_ps(d, _mm512_set1_ps(a.d[i]));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), t));
-      if (KIND == Q4_1) {
-        const __m512 m =
-            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * scn + 16)));
-        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(a.s[i])));
-      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), t, acc[r]);
+      if (KIND == Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s[i]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * TILE, acc[r]);
