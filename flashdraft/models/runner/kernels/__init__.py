@@ -87,9 +87,8 @@ def _build(cache: Path) -> Path:
     try:
         done = subprocess.run(_command(Path(tmp)), capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(
-                done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "the build failed"
-            )
+            errors = [line for line in done.stderr.splitlines() if "error" in line]
+            raise RuntimeError((errors or done.stderr.strip().splitlines() or ["the build failed"])[0])
         os.replace(tmp, lib)
     finally:
         Path(tmp).unlink(missing_ok=True)

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <omp.h>
 #include <vector>
 
 #include "kernels.h"
@@ -101,6 +102,9 @@ __attribute__((target("avx2,fma"))) void store_bf16(bf16* y, __m256 v) {
 struct Linear {
   at::Tensor packed, scales, bias;
   int64_t n, kind;
+  Weights weights() const {
+    return {packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()), n, kind};
+  }
 };
 
 struct Layer {
@@ -116,10 +120,6 @@ struct Model {
 
 std::vector<std::unique_ptr<Model>> models;  // a handle is an index here
 
-at::Tensor linear(const Linear& l, const at::Tensor& x, int64_t path) {
-  at::Tensor y = qgemm(x, l.packed, l.scales, l.n, l.kind, path);
-  return l.bias.numel() ? y.add_(l.bias) : y;  // bf16 add, as the torch layer's `y + bias`
-}
 
 // The fixed final order of 8 lane sums: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
 inline float tree8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
@@ -268,77 +268,88 @@ void softmax(float* s, int64_t n, bool vector) {
   for (j = 0; j < n8; ++j) s[j] = s[j] / sum;
 }
 
-// out[c0..c0 + 8 NV) = the sum over slots in order of fma(p_j, v_j).
+// acc[c0..c0 + 8 NV) += p_j v_j for slots j0..j1 in order, as fused multiply-adds.
 template <int NV>
-__attribute__((target("avx2,fma"))) void weigh_avx2(const float* p, const float* v, int64_t n, int64_t d, int64_t c0,
-                                                   bf16* out) {
-  __m256 acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+__attribute__((target("avx2,fma"))) void weigh_avx2(const float* p, const float* v, int64_t j0, int64_t j1, int64_t d,
+                                                   int64_t c0, float* acc) {
+  __m256 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(acc + c0 + 8 * i);
+  for (int64_t j = j0; j < j1; ++j) {
     if (p[j] == 0.f) continue;  // a masked or dead slot: skipping it keeps the bits
     const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * d + c0 + 8 * i), acc[i]);
+    for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * d + c0 + 8 * i), a[i]);
   }
-  for (int i = 0; i < NV; ++i) store_bf16(out + c0 + 8 * i, acc[i]);
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + c0 + 8 * i, a[i]);
 }
 
-void weigh(const float* p, const float* v, int64_t n, int64_t d, bf16* out, bool vector) {
+// acc += the weighted values of slots j0..j1, per element in slot order.
+void weigh(const float* p, const float* v, int64_t j0, int64_t j1, int64_t d, float* acc, bool vector) {
   if (vector) {
     for (int64_t c0 = 0; c0 < d; c0 += 64) {
       switch (std::min<int64_t>(8, (d - c0) / 8)) {
-        case 1: weigh_avx2<1>(p, v, n, d, c0, out); break;
-        case 2: weigh_avx2<2>(p, v, n, d, c0, out); break;
-        case 3: weigh_avx2<3>(p, v, n, d, c0, out); break;
-        case 4: weigh_avx2<4>(p, v, n, d, c0, out); break;
-        case 5: weigh_avx2<5>(p, v, n, d, c0, out); break;
-        case 6: weigh_avx2<6>(p, v, n, d, c0, out); break;
-        case 7: weigh_avx2<7>(p, v, n, d, c0, out); break;
-        default: weigh_avx2<8>(p, v, n, d, c0, out);
+        case 1: weigh_avx2<1>(p, v, j0, j1, d, c0, acc); break;
+        case 2: weigh_avx2<2>(p, v, j0, j1, d, c0, acc); break;
+        case 3: weigh_avx2<3>(p, v, j0, j1, d, c0, acc); break;
+        case 4: weigh_avx2<4>(p, v, j0, j1, d, c0, acc); break;
+        case 5: weigh_avx2<5>(p, v, j0, j1, d, c0, acc); break;
+        case 6: weigh_avx2<6>(p, v, j0, j1, d, c0, acc); break;
+        case 7: weigh_avx2<7>(p, v, j0, j1, d, c0, acc); break;
+        default: weigh_avx2<8>(p, v, j0, j1, d, c0, acc);
       }
     }
     return;
   }
-  for (int64_t c = 0; c < d; ++c) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < n; ++j)
-      if (p[j] != 0.f) acc = std::fma(p[j], v[j * d + c], acc);
-    out[c] = bf16(acc);
-  }
+  for (int64_t c = 0; c < d; ++c)
+    for (int64_t j = j0; j < j1; ++j)
+      if (p[j] != 0.f) acc[c] = std::fma(p[j], v[j * d + c], acc[c]);
 }
 
-struct Scratch {  // a thread's: one query, the slots' keys and values, and the scores, in float
-  std::vector<float> q, k, v, s;
+struct Scratch {  // a thread's, in float: the queries, the slots' keys and values, scores, outputs
+  std::vector<float> q, k, v, s, acc;
 };
 
 // Attention of n queries that share a kv head over its slots 0..kend: query i is q[i] (head_dim
 // values), sees slot j where mask[i][j] adds 0 (no mask: j <= visible[i] < kend) and writes out[i].
-// Each query's numbers do not depend on the others: they only share the slots' conversion to float.
+// Each query's numbers do not depend on the others: they only share the slots' conversion to float,
+// and the loops run slot block by slot block over all the queries, so a block stays in cache.
 void attend(const Model& m, const bf16* const* q, int n, const bf16* keys, const bf16* values, int64_t kend,
             const int64_t* visible, const float* const* mask, bf16* const* out, bool vector, Scratch& w) {
   const int64_t d = m.head_dim, k8 = (kend + 7) / 8 * 8;
   const float scale = static_cast<float>(m.scale);
-  w.q.resize(d);
+  w.q.resize(n * d);
   w.k.resize(k8 * d);
   w.v.resize(kend * d);
-  w.s.resize(k8);
+  w.s.resize(n * k8);
+  w.acc.assign(n * d, 0.f);
   to_float(keys, w.k.data(), kend * d);
   std::fill(w.k.begin() + kend * d, w.k.end(), 0.f);  // the last group's missing keys
   to_float(values, w.v.data(), kend * d);
+  int64_t len[16];  // the slots each query may see
   for (int i = 0; i < n; ++i) {
-    const int64_t len = mask[i] ? kend : visible[i] + 1;  // the slots it may see
-    float* s = w.s.data();
-    to_float(q[i], w.q.data(), d);
-    for (int64_t j = 0; j < len; j += 8) {
+    len[i] = mask[i] ? kend : visible[i] + 1;
+    to_float(q[i], w.q.data() + i * d, d);
+  }
+  for (int64_t j = 0; j < kend; j += 8) {  // scores, 8 slots at a time
+    for (int i = 0; i < n; ++i) {
+      float* s = w.s.data() + i * k8;
+      if (j >= len[i]) continue;
       if (vector) {
-        dots8_avx2(w.q.data(), w.k.data() + j * d, d, s + j);
+        dots8_avx2(w.q.data() + i * d, w.k.data() + j * d, d, s + j);
       } else {
-        for (int64_t u = j; u < std::min(len, j + 8); ++u) s[u] = dot_reference(w.q.data(), w.k.data() + u * d, d);
+        for (int64_t u = j; u < std::min(len[i], j + 8); ++u) s[u] = dot_reference(w.q.data() + i * d, w.k.data() + u * d, d);
       }
     }
-    for (int64_t j = 0; j < len; ++j) s[j] = mask[i] ? s[j] * scale + mask[i][j] : s[j] * scale;
-    softmax(s, len, vector);
-    weigh(s, w.v.data(), len, d, out[i], vector);
   }
+  for (int i = 0; i < n; ++i) {
+    float* s = w.s.data() + i * k8;
+    for (int64_t j = 0; j < len[i]; ++j) s[j] = mask[i] ? s[j] * scale + mask[i][j] : s[j] * scale;
+    softmax(s, len[i], vector);
+  }
+  for (int64_t j = 0; j < kend; j += 16)  // the weighted values, 16 slots at a time
+    for (int i = 0; i < n; ++i)
+      if (j < len[i]) weigh(w.s.data() + i * k8, w.v.data(), j, std::min(len[i], j + 16), d, w.acc.data() + i * d, vector);
+  for (int i = 0; i < n; ++i)
+    for (int64_t c = 0; c < d; ++c) out[i][c] = bf16(w.acc[i * d + c]);
 }
 
 // x += y (a residual), in bf16.
@@ -368,80 +379,108 @@ void silu_mul(const bf16* gu, bf16* out, int64_t n, int64_t lo, int64_t hi, bool
   }
 }
 
-// One layer over x (rows = b * t, hidden), in place.
-void layer_forward(const Model& m, const Layer& L, at::Tensor& x, int64_t b, int64_t t, const bf16* cos,
-                   const bf16* sin, const at::Tensor& kc, const at::Tensor& vc, int64_t start, const float* mask,
-                   int64_t path) {
-  const int64_t rows = b * t, hidden = x.size(1), h = m.heads, kvh = m.kv_heads, d = m.head_dim;
-  const int64_t end = start + t, cap = kc.size(2);
-  const bool vector = path != REFERENCE;
-  at::Tensor hx = at::empty_like(x);
-  rms_norm(x.data_ptr<bf16>(), L.norm1.data_ptr<bf16>(), hx.data_ptr<bf16>(), rows, hidden, hidden, m.eps, vector);
-  at::Tensor qkv = linear(L.qkv, hx, path);  // (rows, (h + 2 kvh) d)
-  bf16* p = qkv.data_ptr<bf16>();
-  const int64_t width = (h + 2 * kvh) * d;
-  if (L.qnorm.numel()) {  // Qwen3: every head of q and k normed before RoPE
-    for (int64_t r = 0; r < rows; ++r) {
-      rms_norm(p + r * width, L.qnorm.data_ptr<bf16>(), p + r * width, h, d, d, m.eps, vector);
-      rms_norm(p + r * width + h * d, L.knorm.data_ptr<bf16>(), p + r * width + h * d, kvh, d, d, m.eps, vector);
-    }
-  }
-  bf16* kp = kc.data_ptr<bf16>();
-  bf16* vp = vc.data_ptr<bf16>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = r / t, slot = start + r % t;
-    for (int64_t i = 0; i < h + kvh; ++i) rope(p + r * width + i * d, cos + r * d, sin + r * d, d, vector);
-    for (int64_t g = 0; g < kvh; ++g) {  // the new key and value into the cache (row, kv head, slot)
-      const int64_t at_ = ((row * kvh + g) * cap + slot) * d;
-      std::memcpy(kp + at_, p + r * width + (h + g) * d, d * sizeof(bf16));
-      std::memcpy(vp + at_, p + r * width + (h + kvh + g) * d, d * sizeof(bf16));
-    }
-  }
-  at::Tensor att = at::empty({rows, h * d}, x.options());
-  bf16* ap = att.data_ptr<bf16>();
-  // Work items: (row, kv head, a chunk of the queries that read it: its heads' queries at each token,
-  // up to 16, so a chunk converts the slots once for many queries; at least two items a thread).
-  const int64_t group = h / kvh, nq = group * t, threads = at::get_num_threads();
-  const int64_t want = std::min(nq, std::max((nq + 15) / 16, (2 * threads + b * kvh - 1) / (b * kvh)));
+// ---- the layer, run by a team of threads ------------------------------------------------------------
+// One OpenMP team runs the whole forward (`llama_forward`), so no thread is started per op: each op
+// below is a worksharing loop over rows, heads, blocks or tiles, ending at the team's barrier. GEMM
+// tiles and attention items go to whichever thread is free (one core may run slower than the other).
+// Which thread computes a number never changes its operations.
+
+// The activations and outputs of one forward, shared by the team.
+struct Work {
+  bf16 *x, *hx, *qkv, *att, *o, *gu, *act, *down;
+  Acts hidden, heads, inter;  // the quantized inputs of qkv and gate_up, of o, of down
+  const bf16 *cos, *sin;
+  bf16 *kp, *vp;  // this layer's cache
+  int64_t b, t, start, cap, path;
+  const float* mask;
+};
+
+// y = x W^T (+ bias) from x's quantized blocks `a`, a tile of 16 columns at a time, guided as
+// qgemm.cpp's `all_tiles` (A/B on a 2-core EPYC: dynamic chunks of 2 made a verify of 4 rows 1.4x
+// slower, static ones lost up to 10% at 8-16 rows).
+void team_gemm(const Acts& a, const Linear& l, bf16* y, int64_t path) {
+  const Weights w = l.weights();
+  const bf16* bias = l.bias.numel() ? l.bias.data_ptr<bf16>() : nullptr;
+#pragma omp for schedule(guided, 2)
+  for (int64_t t = 0; t < (w.n + 15) / 16; ++t) gemm_tiles(a, w, path, t, t + 1, y, bias);
+}
+
+// Row r of x (width k) into `a`'s blocks.
+void quantize_row(const bf16* x, int64_t k, int64_t r, Acts& a, int64_t path) {
+  for (int64_t g = 0; g < a.blocks; ++g) quantize_act(x, k, r * a.blocks + g, path, a);
+}
+
+// The attention of every query: items (row, kv head, a chunk of the queries that read it: its heads'
+// queries at each token, up to 16, so a chunk converts the slots once for many queries).
+void team_attention(const Model& m, Work& w, Scratch& scratch) {
+  const int64_t h = m.heads, kvh = m.kv_heads, d = m.head_dim, width = (h + 2 * kvh) * d, t = w.t;
+  const int64_t end = w.start + t, group = h / kvh, nq = group * t, threads = omp_get_num_threads();
+  const int64_t want = std::min(nq, std::max((nq + 15) / 16, (2 * threads + w.b * kvh - 1) / (w.b * kvh)));
   const int64_t chunk = (nq + want - 1) / want, chunks = (nq + chunk - 1) / chunk;
-  at::parallel_for(0, b * kvh * chunks, 1, [&](int64_t lo, int64_t hi) {
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < w.b * kvh * chunks; ++item) {
     const bf16* qs[16];
     bf16* outs[16];
     const float* masks[16];
     int64_t visible[16];
-    Scratch scratch;
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t row = item / (kvh * chunks), g = (item / chunks) % kvh, c0 = (item % chunks) * chunk;
-      int n = 0;
-      for (int64_t k = c0; k < std::min(nq, c0 + chunk); ++k, ++n) {  // query k: token k / group, head
-        const int64_t tok = k / group, head = g * group + k % group, r = row * t + tok;
-        qs[n] = p + r * width + head * d;
-        outs[n] = ap + r * h * d + head * d;
-        masks[n] = mask ? mask + r * end : nullptr;
-        visible[n] = start + tok;
-      }
-      const int64_t base = (row * kvh + g) * cap * d, kend = mask ? end : visible[n - 1] + 1;
-      attend(m, qs, n, kp + base, vp + base, kend, visible, masks, outs, vector, scratch);
+    const int64_t row = item / (kvh * chunks), g = (item / chunks) % kvh, c0 = (item % chunks) * chunk;
+    int n = 0;
+    for (int64_t k = c0; k < std::min(nq, c0 + chunk); ++k, ++n) {  // query k: token k / group, head
+      const int64_t tok = k / group, head = g * group + k % group, r = row * t + tok;
+      qs[n] = w.qkv + r * width + head * d;
+      outs[n] = w.att + r * h * d + head * d;
+      masks[n] = w.mask ? w.mask + r * end : nullptr;
+      visible[n] = w.start + tok;
     }
-  });
-  at::Tensor o = linear(L.o, att, path);
-  bf16* xp = x.data_ptr<bf16>();
-  const bf16* op = o.data_ptr<bf16>();
-  add(xp, op, rows * hidden);
-  rms_norm(xp, L.norm2.data_ptr<bf16>(), hx.data_ptr<bf16>(), rows, hidden, hidden, m.eps, vector);
-  at::Tensor gu = linear(L.gate_up, hx, path);  // (rows, 2 inter): gate, then up
-  const int64_t inter = gu.size(1) / 2;
-  at::Tensor act = at::empty({rows, inter}, x.options());
-  const bf16* gp = gu.data_ptr<bf16>();
-  bf16* actp = act.data_ptr<bf16>();
-  at::parallel_for(0, rows * inter, 256, [&](int64_t lo, int64_t hi) {  // elementwise: any split
-    for (int64_t r = lo / inter; r * inter < hi; ++r)
-      silu_mul(gp + r * 2 * inter, actp + r * inter, inter, std::max(lo - r * inter, int64_t(0)),
-               std::min(hi - r * inter, inter), vector);
-  });
-  at::Tensor down = linear(L.down, act, path);
-  const bf16* dp = down.data_ptr<bf16>();
-  add(xp, dp, rows * hidden);
+    const int64_t base = (row * kvh + g) * w.cap * d, kend = w.mask ? end : visible[n - 1] + 1;
+    attend(m, qs, n, w.kp + base, w.vp + base, kend, visible, masks, outs, w.path != REFERENCE, scratch);
+  }
+}
+
+// One layer over w.x (rows = b * t, hidden), in place; every thread of the team calls it.
+void layer_team(const Model& m, const Layer& L, Work& w, int64_t hidden, Scratch& scratch) {
+  const int64_t rows = w.b * w.t, h = m.heads, kvh = m.kv_heads, d = m.head_dim, width = (h + 2 * kvh) * d;
+  const int64_t inter = L.gate_up.n / 2, path = w.path;
+  const bool vector = path != REFERENCE;
+#pragma omp for
+  for (int64_t r = 0; r < rows; ++r) {
+    rms_norm(w.x + r * hidden, L.norm1.data_ptr<bf16>(), w.hx + r * hidden, 1, hidden, hidden, m.eps, vector);
+    quantize_row(w.hx, hidden, r, w.hidden, path);
+  }
+  team_gemm(w.hidden, L.qkv, w.qkv, path);  // (rows, (h + 2 kvh) d)
+#pragma omp for
+  for (int64_t i = 0; i < rows * (h + kvh); ++i) {  // q and k heads: Qwen3's norms, RoPE; keys, values cached
+    const int64_t r = i / (h + kvh), head = i % (h + kvh);
+    bf16* v = w.qkv + r * width + head * d;
+    if (L.qnorm.numel())
+      rms_norm(v, (head < h ? L.qnorm : L.knorm).data_ptr<bf16>(), v, 1, d, d, m.eps, vector);
+    rope(v, w.cos + r * d, w.sin + r * d, d, vector);
+    if (head >= h) {  // (row, kv head, slot)
+      const int64_t at_ = ((r / w.t * kvh + head - h) * w.cap + w.start + r % w.t) * d;
+      std::memcpy(w.kp + at_, v, d * sizeof(bf16));
+      std::memcpy(w.vp + at_, v + kvh * d, d * sizeof(bf16));
+    }
+  }
+  team_attention(m, w, scratch);
+#pragma omp for
+  for (int64_t r = 0; r < rows; ++r) quantize_row(w.att, h * d, r, w.heads, path);
+  team_gemm(w.heads, L.o, w.o, path);
+#pragma omp for
+  for (int64_t r = 0; r < rows; ++r) {
+    add(w.x + r * hidden, w.o + r * hidden, hidden);
+    rms_norm(w.x + r * hidden, L.norm2.data_ptr<bf16>(), w.hx + r * hidden, 1, hidden, hidden, m.eps, vector);
+    quantize_row(w.hx, hidden, r, w.hidden, path);
+  }
+  team_gemm(w.hidden, L.gate_up, w.gu, path);  // (rows, 2 inter): gate, then up
+#pragma omp for
+  for (int64_t i = 0; i < rows * w.inter.blocks; ++i) {  // SiLU(gate) * up, a block of 32 at a time
+    const int64_t r = i / w.inter.blocks, lo = (i % w.inter.blocks) * 32, hi = std::min(inter, lo + 32);
+    silu_mul(w.gu + r * 2 * inter, w.act + r * inter, inter, lo, hi, vector);
+    quantize_act(w.act, inter, i, path, w.inter);
+  }
+  team_gemm(w.inter, L.down, w.down, path);
+#pragma omp for
+  for (int64_t r = 0; r < rows; ++r) add(w.x + r * hidden, w.down + r * hidden, hidden);
 }
 
 const Model& model(int64_t handle) {
@@ -457,6 +496,12 @@ int64_t llama_new(const std::vector<at::Tensor>& tensors, const std::vector<int6
                   int64_t kv_heads, int64_t head_dim, double eps, double scale) {
   TORCH_CHECK(tensors.size() % 16 == 0 && shapes.size() == tensors.size() / 2, "llama_new: 16 tensors a layer");
   TORCH_CHECK(head_dim % 8 == 0 && head_dim <= 512, "llama_new: head_dim must be a multiple of 8, at most 512");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const bool norm = i % 16 < 4, bias = i % 16 >= 4 && (i % 16 - 4) % 3 == 2;
+    TORCH_CHECK(!(norm || bias) || !tensors[i].numel() ||
+                    (tensors[i].scalar_type() == at::kBFloat16 && tensors[i].is_contiguous()),
+                "llama_new: norms and biases must be contiguous bf16");
+  }
   auto m = std::make_unique<Model>(Model{heads, kv_heads, head_dim, eps, scale, {}});
   for (size_t i = 0; i < tensors.size(); i += 16) {
     const auto* t = &tensors[i];
@@ -493,13 +538,45 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
     mk = mask->to(at::kFloat).contiguous();
     TORCH_CHECK(mk.numel() == b * t * (start + t), "llama_forward: the mask must be (b, 1, t, start + t)");
   }
+  const int64_t rows = b * t, hidden = x.size(2), n = int64_t(m.layers.size());
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].size(0) == b &&
+                    keys[i].size(2) >= start + t && keys[i].scalar_type() == at::kBFloat16,
+                "llama_forward: layer ", i, "'s cache has no room (or is not bf16)");
+  const Layer& L0 = m.layers[0];
+  const int64_t inter = L0.gate_up.n / 2, qkv = L0.qkv.n, heads = m.heads * m.head_dim;
+  auto buffer = [&](int64_t width) { return at::empty({rows, width}, x.options()); };
+  const at::Tensor hx = buffer(hidden), qv = buffer(qkv), att = buffer(heads), o = buffer(hidden),
+                   gu = buffer(2 * inter), act = buffer(inter), down = buffer(hidden);
+  Work w{h.data_ptr<bf16>(), hx.data_ptr<bf16>(), qv.data_ptr<bf16>(), att.data_ptr<bf16>(), o.data_ptr<bf16>(),
+         gu.data_ptr<bf16>(), act.data_ptr<bf16>(), down.data_ptr<bf16>(), {}, {}, {},
+         c.data_ptr<bf16>(), s.data_ptr<bf16>(), nullptr, nullptr, b, t, start, keys[0].size(2), path,
+         mk.defined() ? mk.data_ptr<float>() : nullptr};
+  w.hidden.resize(rows, hidden);
+  w.heads.resize(rows, heads);
+  w.inter.resize(rows, inter);
   std::vector<at::Tensor> out(1);
-  for (size_t i = 0; i < m.layers.size(); ++i) {
-    TORCH_CHECK(keys[i].is_contiguous() && keys[i].size(0) == b && keys[i].size(2) >= start + t,
-                "llama_forward: layer ", i, "'s cache has no room");
-    layer_forward(m, m.layers[i], h, b, t, c.data_ptr<bf16>(), s.data_ptr<bf16>(), keys[i], values[i], start,
-                  mk.defined() ? mk.data_ptr<float>() : nullptr, path);
-    if (std::find(wanted.begin(), wanted.end(), int64_t(i)) != wanted.end()) out.push_back(h.view(x.sizes()).clone());
+  std::vector<bf16*> copies(n, nullptr);  // where the wanted layers' outputs go
+  for (int64_t i : wanted) {
+    TORCH_CHECK(i >= 0 && i < n, "llama_forward: no layer ", i);
+    out.push_back(at::empty_like(x));
+    copies[i] = out.back().data_ptr<bf16>();
+  }
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    Scratch scratch;
+    for (int64_t i = 0; i < n; ++i) {
+#pragma omp single
+      {  // the single's barrier: every thread sees this layer's cache
+        w.kp = keys[i].data_ptr<bf16>();
+        w.vp = values[i].data_ptr<bf16>();
+      }
+      layer_team(m, m.layers[i], w, hidden, scratch);
+      if (copies[i]) {
+#pragma omp for
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(copies[i] + r * hidden, w.x + r * hidden, hidden * sizeof(bf16));
+      }
+    }
   }
   out[0] = h.view(x.sizes());
   return out;

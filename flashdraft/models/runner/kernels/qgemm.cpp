@@ -43,16 +43,6 @@ constexpr int ROWS = 8;        // rows computed together (each row's arithmetic 
 typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;  // 4 activation bytes read at once
 
 
-// The activations, quantized per row and block of 32 (row-local: a row's values do not depend on
-// the rows beside it). Inputs past K count as zeros.
-struct Acts {
-  int64_t rows, blocks;
-  std::vector<int8_t> q;     // rows x blocks*32
-  std::vector<float> d;      // rows x blocks: dx
-  std::vector<float> s;      // rows x blocks: dx * xsum (Q4_1's minimum term)
-  std::vector<int32_t> sum;  // rows x blocks: xsum (Q8_0's offset correction)
-};
-
 // One block of n <= 32 values: int8 codes, dx = amax / 127 and the codes' sum. NaNs are not handled.
 template <typename T>
 void quantize_block(const T* x, int n, int8_t* q, float* dx, int32_t* sum) {
@@ -109,31 +99,19 @@ __attribute__((target("avx2,fma"))) void quantize_block_avx2(const T* x, int8_t*
   *sum = _mm_cvtsi128_si32(t);
 }
 
-// The activations of all rows; the reference path quantizes with the scalar code, the others with AVX2.
+// Block i (row i / blocks, block i % blocks) of x (rows, k); the reference path quantizes with the
+// scalar code, the others with AVX2 (the same bits).
 template <typename T>
-void quantize_rows(const T* x, int64_t k, bool vector, Acts& a) {
-  for (int64_t r = 0; r < a.rows; ++r)
-    for (int64_t g = 0; g < a.blocks; ++g) {
-      const int64_t i = r * a.blocks + g, k0 = g * BLOCK, n = std::min(BLOCK, k - k0);
-      if (vector && n == BLOCK)
-        quantize_block_avx2(x + r * k + k0, a.q.data() + i * BLOCK, &a.d[i], &a.sum[i]);
-      else
-        quantize_block(x + r * k + k0, int(std::max<int64_t>(n, 0)), a.q.data() + i * BLOCK, &a.d[i], &a.sum[i]);
-      a.s[i] = a.d[i] * static_cast<float>(a.sum[i]);
-    }
-}
-
-Acts quantize(const at::Tensor& x, int64_t blocks, bool vector) {
-  const int64_t rows = x.size(0), k = x.size(1);
-  Acts a{rows, blocks, std::vector<int8_t>(rows * blocks * BLOCK, 0), std::vector<float>(rows * blocks),
-         std::vector<float>(rows * blocks), std::vector<int32_t>(rows * blocks)};
-  if (x.scalar_type() == at::kBFloat16) {
-    quantize_rows(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), k, vector, a);
+void quantize_one(const T* x, int64_t k, int64_t i, bool vector, Acts& a) {
+  const int64_t r = i / a.blocks, k0 = (i % a.blocks) * BLOCK, n = std::min(BLOCK, k - k0);
+  int8_t* q = a.q.data() + i * BLOCK;
+  if (vector && n == BLOCK) {
+    quantize_block_avx2(x + r * k + k0, q, &a.d[i], &a.sum[i]);
   } else {
-    const at::Tensor xf = x.to(at::kFloat);
-    quantize_rows(xf.data_ptr<float>(), k, vector, a);
+    std::memset(q, 0, BLOCK);
+    quantize_block(x + r * k + k0, int(std::max<int64_t>(n, 0)), q, &a.d[i], &a.sum[i]);
   }
-  return a;
+  a.s[i] = a.d[i] * static_cast<float>(a.sum[i]);
 }
 
 inline float half(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -307,16 +285,61 @@ __attribute__((target("avx2,fma"))) void store_bf16_avx2(const float* v, uint16_
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), packed);
 }
 
-// A tile's row of float32 outputs into y's dtype, rounded to nearest even (as torch casts).
+// A tile's row of float32 outputs into y's dtype, rounded to nearest even (as torch casts); a bias
+// is then added in float32 and rounded again, as torch's `y + bias` in y's dtype does.
 template <typename T>
-void store(const float* v, T* y, int64_t cols, bool vector) {
+void store(const float* v, T* y, int64_t cols, bool vector, const T* bias) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (vector && cols == TILE) return store_bf16_avx2(v, reinterpret_cast<uint16_t*>(y));
+    if (vector && cols == TILE && !bias) return store_bf16_avx2(v, reinterpret_cast<uint16_t*>(y));
   }
   for (int64_t c = 0; c < cols; ++c) y[c] = static_cast<T>(v[c]);
+  if (bias)
+    for (int64_t c = 0; c < cols; ++c) y[c] = static_cast<T>(static_cast<float>(y[c]) + static_cast<float>(bias[c]));
+}
+
+template <typename T>
+void tiles(const Acts& a, const Weights& w, int64_t path, int64_t t0, int64_t t1, T* y, const T* bias) {
+  float buf[ROWS * TILE];
+  const int64_t bytes = w.kind == Q8_0 ? 512 : 256, scn = w.kind == Q8_0 ? 16 : 32;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t c0 = t * TILE, cols = std::min(TILE, w.n - c0);
+    for (int64_t r0 = 0; r0 < a.rows; r0 += ROWS) {
+      const int rs = int(std::min<int64_t>(ROWS, a.rows - r0));
+      run_tile(path, w.kind, w.packed + t * a.blocks * bytes, w.scales + t * a.blocks * scn, a, r0, rs, buf);
+      for (int r = 0; r < rs; ++r)
+        store(buf + r * TILE, y + (r0 + r) * w.n + c0, cols, path != REFERENCE, bias ? bias + c0 : nullptr);
+    }
+  }
+}
+
+// Every tile. Guided: large contiguous parts first (with few rows the GEMM is bound by reading the
+// weights, and a contiguous stream reads fastest), smaller ones at the end to whichever thread is
+// free (with more rows it is bound by arithmetic, and one core may run slower than the other).
+template <typename T>
+void all_tiles(const Acts& a, const Weights& w, int64_t path, int64_t n, T* y) {
+#pragma omp parallel for schedule(guided, 4) num_threads(at::get_num_threads())
+  for (int64_t t = 0; t < n; ++t) tiles<T>(a, w, path, t, t + 1, y, nullptr);
 }
 
 }  // namespace
+
+void Acts::resize(int64_t rows_, int64_t k) {
+  rows = rows_;
+  blocks = (k + BLOCK - 1) / BLOCK;
+  q.resize(rows * blocks * BLOCK);
+  d.resize(rows * blocks);
+  s.resize(rows * blocks);
+  sum.resize(rows * blocks);
+}
+
+void quantize_act(const c10::BFloat16* x, int64_t k, int64_t i, int64_t path, Acts& a) {
+  quantize_one(x, k, i, path != REFERENCE, a);
+}
+
+void gemm_tiles(const Acts& a, const Weights& w, int64_t path, int64_t t0, int64_t t1, c10::BFloat16* y,
+                const c10::BFloat16* bias) {
+  tiles(a, w, path, t0, t1, y, bias);
+}
 
 // y (M, n) in x's dtype = x (M, K) times the packed weights' transpose. `path` 0 picks the best this
 // CPU runs; 1-3 force one (the tests compare them).
@@ -327,37 +350,33 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tenso
   TORCH_CHECK(kind == Q8_0 || kind == Q4_1, "qgemm: kind must be 0 (Q8_0) or 1 (Q4_1)");
   TORCH_CHECK(qweight.dtype() == at::kByte && qweight.dim() == 3 && qweight.is_contiguous(),
               "qgemm: qweight must be contiguous uint8 (tiles, blocks, bytes)");
-  const int64_t tiles = qweight.size(0), blocks = qweight.size(1);
+  const int64_t tiles_ = qweight.size(0), blocks = qweight.size(1);
   TORCH_CHECK(qweight.size(2) == (kind == Q8_0 ? 512 : 256), "qgemm: wrong bytes per tile and block");
   TORCH_CHECK(scales.scalar_type() == at::kShort && scales.is_contiguous() &&
-                  scales.numel() == tiles * blocks * (kind == Q8_0 ? 16 : 32),
+                  scales.numel() == tiles_ * blocks * (kind == Q8_0 ? 16 : 32),
               "qgemm: scales must be contiguous int16 (fp16 bits) of (tiles, blocks, 16 or 32)");
-  TORCH_CHECK(x.size(1) <= blocks * BLOCK && n <= tiles * TILE, "qgemm: shapes do not match the weights");
+  TORCH_CHECK(x.size(1) <= blocks * BLOCK && n <= tiles_ * TILE, "qgemm: shapes do not match the weights");
   const int64_t best = best_path();
   if (path == AUTO) path = best;
   TORCH_CHECK(path == REFERENCE || path <= best, "qgemm: this CPU cannot run path ", path);
 
   const at::Tensor xc = x.contiguous();
-  const Acts a = quantize(xc, blocks, path != REFERENCE);
-  const int64_t rows = a.rows;
+  const int64_t rows = xc.size(0), k = xc.size(1);
+  Acts a;
+  a.resize(rows, blocks * BLOCK);
+  const bool vector = path != REFERENCE;
+  if (xc.scalar_type() == at::kBFloat16) {
+    const auto* xp = reinterpret_cast<const c10::BFloat16*>(xc.data_ptr());
+    for (int64_t i = 0; i < rows * blocks; ++i) quantize_one(xp, k, i, vector, a);
+  } else {
+    const at::Tensor xf = xc.to(at::kFloat);
+    for (int64_t i = 0; i < rows * blocks; ++i) quantize_one(xf.data_ptr<float>(), k, i, vector, a);
+  }
+  const Weights w{qweight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()), n,
+                  kind};
   at::Tensor out = at::empty({rows, n}, x.options());
-  const uint8_t* w = qweight.data_ptr<uint8_t>();
-  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
-  const int64_t wstride = blocks * qweight.size(2), sstride = blocks * (kind == Q8_0 ? 16 : 32);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qgemm", [&] {
-    scalar_t* y = out.data_ptr<scalar_t>();
-    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-      float buf[ROWS * TILE];
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t c0 = t * TILE, cols = std::min(TILE, n - c0);
-        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-          const int rs = int(std::min<int64_t>(ROWS, rows - r0));
-          run_tile(path, kind, w + t * wstride, sc + t * sstride, a, r0, rs, buf);
-          for (int r = 0; r < rs; ++r) store(buf + r * TILE, y + (r0 + r) * n + c0, cols, path != REFERENCE);
-        }
-      }
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qgemm",
+                                  [&] { all_tiles<scalar_t>(a, w, path, tiles_, out.data_ptr<scalar_t>()); });
   return out;
 }
 
