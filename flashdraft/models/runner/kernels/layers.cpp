@@ -9,8 +9,8 @@
 //   - norms, RoPE, SiLU and residuals are row-local; a norm's sum of squares runs in 8 lanes with a
 //     fixed final tree (`tree8`);
 //   - the GEMMs are qgemm.cpp's (fixed order per output);
-//   - attention, per query and head: scores in 8 lanes and `tree8`, the softmax's sum in 8 lanes over
-//     the slots, the weighted sum of values over the slots in order (see "attention" below); a masked
+//   - attention, per query and head: scores in 8 lanes and `tree8`, the softmax's sum and the
+//     weighted sum of values over the slots in order (see "attention" below); a masked
 //     slot's weight is exactly 0 (`fexp` of a huge negative is 0), so masked or dead slots, and the
 //     slots a causal query cannot see, leave the sums' bits alone;
 //   - `fexp` is our own exp (Cody-Waite reduction and Cephes' expf polynomial), the same bits on every path.
@@ -198,8 +198,7 @@ FD_CLONES void to_float(const bf16* x, float* y, int64_t n) {
 // Per query, head and slot, in this order on every path:
 //   score = q . k in 8 lanes (lane l: elements l, l + 8, ... in order, fused multiply-adds), `tree8`,
 //           times the scale, plus the mask;
-//   p     = fexp(score - max), divided by the sum of the p's in 8 lanes (lane l: slots l, l + 8, ...)
-//           and `tree8`;
+//   p     = fexp(score - max), divided by the sum of the p's over the slots in order;
 //   out   = per element, the sum over slots in order of fma(p, v); a zero p is skipped.
 // The AVX2 code runs these operations lane by lane (it only transposes the scores' lane sums before
 // adding them up, in the same tree), so each number has the reference's bits.
@@ -240,32 +239,25 @@ __attribute__((target("avx2,fma"))) int64_t exp_avx2(float* s, int64_t n, float 
   return j;
 }
 
-// The sum of s[0..n8) (n8 a multiple of 8) in 8 lanes; then s[j] /= sum.
-__attribute__((target("avx2,fma"))) void normalize_avx2(float* s, int64_t n8) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n8; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + j));
-  float a[8];
-  _mm256_storeu_ps(a, acc);
-  const __m256 sum = _mm256_set1_ps(tree8(a));
-  for (int64_t j = 0; j < n8; j += 8) _mm256_storeu_ps(s + j, _mm256_div_ps(_mm256_loadu_ps(s + j), sum));
+// s[j] /= sum for the whole groups of 8; returns how many it did.
+__attribute__((target("avx2,fma"))) int64_t divide_avx2(float* s, int64_t n, float sum) {
+  const __m256 v = _mm256_set1_ps(sum);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_div_ps(_mm256_loadu_ps(s + j), v));
+  return j;
 }
 
-// A query's softmax over its n scores in place; s has room for n rounded up to 8, zeroed past n.
+// A query's softmax over its n scores in place. The sum runs over the slots in order: a row's live
+// slots sit at other places in a batch (left padding, dead drafts), and zeros added in between or
+// after leave a sequential sum's bits alone, where lanes by slot index would not.
 void softmax(float* s, int64_t n, bool vector) {
-  const int64_t n8 = (n + 7) / 8 * 8;
-  float top = std::numeric_limits<float>::lowest();
+  float top = std::numeric_limits<float>::lowest(), sum = 0.f;
   for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
   int64_t j = vector ? exp_avx2(s, n, top) : 0;
   for (; j < n; ++j) s[j] = fexp(s[j] - top);
-  for (; j < n8; ++j) s[j] = 0.f;
-  if (vector) {
-    normalize_avx2(s, n8);
-    return;
-  }
-  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (j = 0; j < n8; ++j) a[j % 8] = a[j % 8] + s[j];
-  const float sum = tree8(a);
-  for (j = 0; j < n8; ++j) s[j] = s[j] / sum;
+  for (j = 0; j < n; ++j) sum = sum + s[j];
+  j = vector ? divide_avx2(s, n, sum) : 0;
+  for (; j < n; ++j) s[j] = s[j] / sum;
 }
 
 // acc[c0..c0 + 8 NV) += p_j v_j for slots j0..j1 in order, as fused multiply-adds.
