@@ -13,7 +13,7 @@ import torch
 
 from flashdraft import chat
 from flashdraft.data import check_dataset_name
-from flashdraft.engine.adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
+from flashdraft.engine.adaptive import DEFAULT_SPECULATION, SPECULATION, TREE_NODES, make_proposer
 from flashdraft.engine.decode import GenerationConfig, generate
 from flashdraft.engine.sampling import SamplingConfig
 from flashdraft.models.draft import DFlashDraft, DraftConfig, DraftError, init_draft_config
@@ -112,7 +112,7 @@ def cmd_generate(args) -> int:
         args.speculation = "fixed" if args.seed is not None and args.temperature > 0 else DEFAULT_SPECULATION
     if args.draft:
         draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=dtype, device=device)
-        proposer = make_proposer(draft, target, args.proposal, args.speculation)
+        proposer = make_proposer(draft, target, args.proposal, args.speculation, args.tree_nodes)
         note = inexact_note(target)
         if note and (args.block_size or 2) > 1:
             print(note, file=sys.stderr)
@@ -366,8 +366,12 @@ def _add_generate(sub) -> None:
         choices=SPECULATION,
         default=None,
         help=f"fixed: verify every drafted token; adaptive: DFlash and n-gram lookup, cut and skipped by "
-        f"measured costs (README, Adaptive speculation). Default: {DEFAULT_SPECULATION}, except fixed when "
+        f"measured costs (README, Adaptive speculation); tree: trees of --tree-nodes drafted tokens from the "
+        f"block's marginals (README, Tree verification). Default: {DEFAULT_SPECULATION}, except fixed when "
         "sampling with --seed (adaptive decisions follow timings, so the same seed would give other tokens)",
+    )
+    g.add_argument(
+        "--tree-nodes", type=int, default=TREE_NODES, help="drafted tokens per tree (--speculation tree)"
     )
     g.add_argument(
         "--dtype",
@@ -529,7 +533,11 @@ def _add_serve_arguments(p) -> None:
         choices=SPECULATION,
         default=DEFAULT_SPECULATION,
         help="fixed: verify every drafted token; adaptive: DFlash and n-gram lookup, cut and skipped by "
-        "measured costs (README, Adaptive speculation)",
+        "measured costs (README, Adaptive speculation); tree: trees of --tree-nodes drafted tokens from the "
+        "block's marginals (README, Tree verification)",
+    )
+    p.add_argument(
+        "--tree-nodes", type=int, default=TREE_NODES, help="drafted tokens per tree (--speculation tree)"
     )
     p.add_argument(
         "--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it"

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request  # FastAPI resolves route annotations in this module's globals
 
 from flashdraft.chat import chat_ids, check_kwargs
-from flashdraft.engine.adaptive import DEFAULT_SPECULATION, make_proposer
+from flashdraft.engine.adaptive import DEFAULT_SPECULATION, TREE_NODES, make_proposer
 from flashdraft.engine.decode import GenerationConfig
 from flashdraft.engine.engine import Engine
 from flashdraft.engine.sampling import SamplingConfig
@@ -833,7 +833,10 @@ class ServeConfig:
     max_batch_size: int = 8
     block_size: int | None = None  # None: the draft's
     proposal: str = "draft"
-    speculation: str = DEFAULT_SPECULATION  # fixed blocks, or the adaptive rule (flashdraft.engine.adaptive)
+    speculation: str = (
+        DEFAULT_SPECULATION  # fixed blocks, trees or the adaptive rule (flashdraft.engine.adaptive)
+    )
+    tree_nodes: int = TREE_NODES  # drafted tokens per tree (speculation "tree")
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     runner: str = "auto"  # the target's model code: native where it covers the architecture
@@ -884,7 +887,7 @@ def serve(cfg: ServeConfig) -> None:
     )
 
     def make_decoder():
-        proposer = make_proposer(draft, target, cfg.proposal, cfg.speculation)
+        proposer = make_proposer(draft, target, cfg.proposal, cfg.speculation, cfg.tree_nodes)
         return Engine(target, block_size=cfg.block_size, max_batch_size=cfg.max_batch_size, proposer=proposer)
 
     api_key = cfg.api_key or os.environ.get("FLASHDRAFT_API_KEY") or None

@@ -31,6 +31,7 @@ from flashdraft.bench.bench import (
     top2_margin,
 )
 from flashdraft.cli import main
+from flashdraft.engine.adaptive import TREE_NODES
 from flashdraft.models.export import hf_dflash_assistant
 
 BLOCKS = (4, 8)
@@ -101,7 +102,7 @@ def test_results_are_complete_and_consistent(greedy):
     res, prompts, _ = greedy
     names = [m["name"] for m in res["methods"]]
     expected = ["plain", "hf-generate", "hf-prompt-lookup", "ngram"]
-    expected += [f"dflash-b{b}" for b in BLOCKS] + ["adaptive"]
+    expected += [f"dflash-b{b}" for b in BLOCKS] + [f"tree-n{TREE_NODES}", "adaptive"]
     expected += [f"{k}-b{b}" for k in ("reference", "hf-dflash") for b in BLOCKS]
     assert names == expected
     assert all(m["available"] for m in res["methods"]), res["methods"]

@@ -381,7 +381,7 @@ def test_smollm2s_batched_dflash_equals_plain_decoding(smollm2):
     (blocks of 8) gives plain decoding's tokens for every prompt. Rejected drafts leave dead slots in the
     middle of a row's cache, so its live slots sit elsewhere than in plain decoding; a softmax summed in
     8 lanes by slot index passed tests/test_runner.py's small models, yet differed here (and in
-    `scripts/bench_batch.py`: 6 of 16 prompts equal at batch 4)."""
+    `scripts/bench_batch.py`: 6 of 16 prompts equal at batch 4). Trees of 6 (tests/test_tree.py) too."""
     from flashdraft import DFlashDraft, DFlashProposer, Engine, GenerationConfig
     from flashdraft.chat import chat_ids
     from flashdraft.data import load_dataset
@@ -390,7 +390,7 @@ def test_smollm2s_batched_dflash_equals_plain_decoding(smollm2):
     prompts = [chat_ids(smollm2.tokenizer, ex.messages()) for ex in load_dataset("mt-bench", limit=8)]
     config = GenerationConfig(max_new_tokens=48)
     outs = []
-    for proposer in (None, DFlashProposer(draft, smollm2)):
+    for proposer in (None, DFlashProposer(draft, smollm2), DFlashProposer(draft, smollm2, tree=6)):
         engine = Engine(smollm2, proposer, 8, max_batch_size=4)
         for i, ids in enumerate(prompts):
             engine.add(str(i), ids, config)
@@ -400,3 +400,4 @@ def test_smollm2s_batched_dflash_equals_plain_decoding(smollm2):
                 out.setdefault(o.request_id, []).extend(o.tokens)
         outs.append(out)
     assert outs[0] == outs[1]
+    assert outs[0] == outs[2]

@@ -433,4 +433,3 @@ def test_a_draft_beside_a_target_on_our_kernels_runs_on_them_too():
     ):
         copy.save_pretrained("/nonexistent")
     assert DFlashProposer(draft, quantized("llama", "int8")).draft is draft  # torch's kernels: as it is
-

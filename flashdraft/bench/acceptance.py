@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.engine import tree
 from flashdraft.engine.decode import GenerationConfig, generate_batch
 from flashdraft.files import write_text
 from flashdraft.models.draft import DFlashDraft
@@ -106,32 +107,15 @@ def acceptance_lengths(
 
 def tree_accepted(probs: list[list[float]], tokens: list[list[int]], truth: list[int], budget: int) -> int:
     """Tokens a greedy verify commits with a tree of `budget` drafted tokens built best-first from the
-    block's marginals (as DDTree builds it): probs[d] / tokens[d], the top candidates of block position
-    d + 1, most likely first; a node's path probability is the product of its tokens' marginals. The
-    verify accepts the deepest node whose path equals the target's own next tokens `truth`, plus its
-    bonus token. A chain is the tree whose every node has one child (budget = block size - 1)."""
-    import heapq
-
+    block's marginals (`flashdraft.engine.tree.build`): probs[d] / tokens[d], the top candidates of block
+    position d + 1, most likely first. The verify accepts the deepest node whose path equals the target's
+    own next tokens `truth`, plus its bonus token. A chain is the tree whose every node has one child
+    (budget = block size - 1)."""
     depth = min(len(probs), len(truth))
-    children: dict[tuple, set[int]] = {}  # path (tuple of ranks) -> ranks of its children in the tree
-    heap = [(-probs[0][0], (0,), 1.0)] if depth else []  # (-path probability, ranks, parent's probability)
-    for _ in range(budget):
-        if not heap:
-            break
-        neg, path, parent = heapq.heappop(heap)
-        children.setdefault(path[:-1], set()).add(path[-1])
-        d, r = len(path) - 1, path[-1]
-        if r + 1 < len(probs[d]):  # the next sibling
-            heapq.heappush(heap, (-parent * probs[d][r + 1], (*path[:-1], r + 1), parent))
-        if d + 1 < depth:  # the first child
-            heapq.heappush(heap, (neg * probs[d + 1][0], (*path, 0), -neg))
-    path, accepted = (), 0
-    while accepted < depth:
-        hits = [r for r in children.get(path, ()) if tokens[accepted][r] == truth[accepted]]
-        if not hits:
-            break
-        path, accepted = (*path, hits[0]), accepted + 1
-    return accepted + 1
+    drafted = tree.build(probs[:depth], tokens[:depth], budget)
+    depths = [0, *drafted.depths()]
+    path, _ = tree.walk(drafted, lambda i: truth[depths[i]] if depths[i] < depth else -1)
+    return len(path) + 1
 
 
 @torch.no_grad()

@@ -8,6 +8,8 @@ from prompt to prompt), so machine drift and other people's jobs hit all methods
 - `hf-prompt-lookup`: transformers prompt-lookup decoding (`prompt_lookup_num_tokens`);
 - `ngram`: prompt lookup (`NgramProposer`) inside our verifier;
 - `dflash-bB`: our loop with the DFlash draft at block size B;
+- `tree-nN`: our loop verifying trees of N drafted tokens built from the draft's block marginals
+  (`flashdraft.engine.tree`), at most the draft's block size - 1 deep;
 - `adaptive`: DFlash and n-gram lookup behind `AdaptiveProposer` (per step: draft or not, and where to
   cut the block, from measured costs and acceptance);
 - `reference-bB`: the authors' loop (`dflash.model.dflash_generate`, PyPI `dflash==0.1.0`) with the
@@ -61,7 +63,7 @@ import torch
 from flashdraft import chat
 from flashdraft.bench.acceptance import position_acceptance
 from flashdraft.chat import chat_ids
-from flashdraft.engine.adaptive import AdaptiveProposer
+from flashdraft.engine.adaptive import TREE_NODES, AdaptiveProposer
 from flashdraft.engine.decode import GenerationConfig, generate
 from flashdraft.engine.proposers import DFlashProposer, NgramProposer
 from flashdraft.engine.sampling import SamplingConfig
@@ -73,7 +75,17 @@ from flashdraft.models.target import DTYPES, Target, cpu_has_fast_bf16
 # gsm-symbolic-eval: the held-out gsm-symbolic problems (a seed that `gsm-symbolic`, the training
 # side, refuses); ShareGPT's eval split is held out by prompt hash.
 DEFAULT_DATASETS = ("mt-bench", "humaneval", "gsm-symbolic-eval", "sharegpt-eval")
-KINDS = ("plain", "hf-generate", "hf-prompt-lookup", "ngram", "dflash", "adaptive", "reference", "hf-dflash")
+KINDS = (
+    "plain",
+    "hf-generate",
+    "hf-prompt-lookup",
+    "ngram",
+    "dflash",
+    "tree",
+    "adaptive",
+    "reference",
+    "hf-dflash",
+)
 
 
 class BenchError(ValueError):
@@ -98,6 +110,7 @@ class BenchConfig:
     ngram_max: int = 3  # longest n-gram matched (both)
     warmup_tokens: int = 8
     kinds: tuple[str, ...] = KINDS  # which methods to run
+    tree_nodes: int = TREE_NODES  # drafted tokens per tree (the `tree` method)
     numerics_samples: int = 2  # 0: no numerics part
     numerics_max_new_tokens: int = 32
     numerics_dtypes: tuple[str, ...] = ("bfloat16", "float32")
@@ -119,6 +132,8 @@ class BenchConfig:
             raise BenchError(f"numerics dtypes must be among {', '.join(DTYPES)}, got {sorted(bad)}")
         if self.ngram_tokens < 1 or self.ngram_max < 1:
             raise BenchError("ngram_tokens and ngram_max must be >= 1")
+        if self.tree_nodes < 1:
+            raise BenchError(f"tree_nodes must be >= 1, got {self.tree_nodes}")
 
 
 @dataclass
@@ -291,6 +306,9 @@ def build_methods(
         proposer = DFlashProposer(draft, target)
         for b in bc.block_sizes:
             ms.append(Method(f"dflash-b{b}", "dflash", b, _ours(target, proposer, b, bc, stop_ids), note(b)))
+    if "tree" in want:
+        proposer, n = DFlashProposer(draft, target, tree=bc.tree_nodes), bc.tree_nodes
+        ms.append(Method(f"tree-n{n}", "tree", trained, _ours(target, proposer, trained, bc, stop_ids)))
     if "adaptive" in want:  # DFlash and n-gram lookup, cut and skipped by the measured costs
         proposer = AdaptiveProposer(
             DFlashProposer(draft, target),
@@ -605,7 +623,7 @@ def run_bench(
                 try:
                     m.run(prompts[0].ids, bc.seed, bc.warmup_tokens)
                 except Exception as e:  # an external loop that cannot run here: report, do not crash
-                    if m.kind in ("plain", "ngram", "dflash"):
+                    if m.kind in ("plain", "ngram", "dflash", "tree"):
                         raise
                     m.run, m.note = None, f"failed in warm-up: {type(e).__name__}: {e}"
         phases["setup_and_warmup_s"] = time.perf_counter() - t_start
@@ -1329,7 +1347,13 @@ def _colors(names: list[str]) -> dict:
     DFlash, baselines), shades within a family: few colours, related methods alike."""
     import matplotlib.pyplot as plt
 
-    families = {"dflash-": "Blues", "adaptive": "Greens", "ngram": "Oranges", "hf-prompt-lookup": "Oranges"}
+    families = {
+        "dflash-": "Blues",
+        "tree-": "Blues",
+        "adaptive": "Greens",
+        "ngram": "Oranges",
+        "hf-prompt-lookup": "Oranges",
+    }
     families |= {"reference-": "Purples", "hf-dflash-": "Purples", "hf-generate": "Greys", "plain": "Greys"}
     members: dict[str, list[str]] = {}
     for n in names:
@@ -1395,7 +1419,7 @@ def plot(r: dict, out_dir: Path) -> None:
     spec = [
         n
         for n in names
-        if n.startswith(("dflash-", "ngram", "hf-prompt-lookup", "adaptive"))
+        if n.startswith(("dflash-", "tree-", "ngram", "hf-prompt-lookup", "adaptive"))
         and len(r["summary"]["all"][n]["histogram"]) > 1
     ]
     panels = [*datasets, "all"]
@@ -1508,6 +1532,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--ngram-tokens", type=int, default=8, help="tokens per prompt lookup (ours and transformers')"
     )
+    p.add_argument("--tree-nodes", type=int, default=TREE_NODES, help="drafted tokens per tree (method tree)")
     p.add_argument(
         "--numerics-samples", type=int, default=2, help="prompts of the bf16/float32 equality part; 0 = off"
     )
@@ -1550,6 +1575,7 @@ def main_from_args(args) -> int:
         seed=args.seed,
         ngram_tokens=args.ngram_tokens,
         kinds=kinds,
+        tree_nodes=args.tree_nodes,
         numerics_samples=args.numerics_samples,
         numerics_max_new_tokens=args.numerics_max_new_tokens,
         progress=not args.no_progress,

@@ -52,19 +52,29 @@ from flashdraft.engine.sequence import Row
 
 BINS = 10
 EXPLORE = 16  # a row that verified nothing for this many steps verifies its likeliest drafted token
-SPECULATION = ("fixed", "adaptive")  # what `--speculation` offers
+SPECULATION = ("fixed", "adaptive", "tree")  # what `--speculation` offers
 DEFAULT_SPECULATION = "adaptive"
+TREE_NODES = 4  # drafted tokens per tree (docs/speed.md, "Tree verification at run time")
 
 
 def make_proposer(
-    draft, target, proposal: str = "draft", speculation: str = DEFAULT_SPECULATION
+    draft,
+    target,
+    proposal: str = "draft",
+    speculation: str = DEFAULT_SPECULATION,
+    tree_nodes: int = TREE_NODES,
 ) -> Proposer | None:
-    """What the verbs run for a draft: DFlash at a fixed block size ("fixed"), or DFlash and n-gram lookup
+    """What the verbs run for a draft: DFlash at a fixed block size ("fixed"), DFlash trees of `tree_nodes`
+    tokens from the block's marginals ("tree", `flashdraft.engine.tree`), or DFlash and n-gram lookup
     behind the adaptive rule ("adaptive"). No draft: None (plain decoding)."""
     if speculation not in SPECULATION:
         raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
+    if tree_nodes < 1:
+        raise ValueError(f"tree_nodes must be >= 1, got {tree_nodes}")
     if draft is None:
         return None
+    if speculation == "tree":
+        return DFlashProposer(draft, target, proposal, tree=tree_nodes)
     dflash = DFlashProposer(draft, target, proposal)
     if speculation == "fixed":
         return dflash

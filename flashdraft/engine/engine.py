@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.engine import tree
 from flashdraft.engine.proposers import Proposer
-from flashdraft.engine.sampling import SamplingConfig, next_token, verify_block
+from flashdraft.engine.sampling import SamplingConfig, next_token, verify_block, verify_trees
 from flashdraft.engine.scheduler import Scheduler, prefill_groups
 from flashdraft.engine.sequence import GenerationConfig, Row, check_prompt, prompt_tensor
 from flashdraft.engine.slots import (
@@ -32,6 +33,8 @@ from flashdraft.engine.slots import (
     map_target_cache,
     pad_kpos,
     pad_slots,
+    path_order,
+    reorder_slots,
     worth_compacting,
 )
 from flashdraft.models.target import Target
@@ -150,44 +153,69 @@ class Engine:
         ks = [min(r.block_size - 1, r.room) if self.proposer else 0 for r in rows]
         proposed = max(ks) > 0
         proposals = self.proposer.propose(rows, ks) if proposed else [(None, None)] * len(rows)
-        ks = [0 if d is None else len(d) for d, _ in proposals]
+        ks = [0 if p[0] is None else len(p[0]) for p in proposals]
+        trees = [p[2] if len(p) > 2 else None for p in proposals]
         k_max = max(ks)
         drafts = torch.zeros(len(rows), k_max, dtype=torch.long, device=device)
-        for b, (d, _) in enumerate(proposals):
+        for b, p in enumerate(proposals):
             if ks[b]:
-                drafts[b, : ks[b]] = d.to(device)
+                drafts[b, : ks[b]] = p[0].to(device)
         t1 = time.perf_counter()
         steps = torch.arange(k_max + 1, device=device)
-        same_k = len(set(ks)) == 1
-        aligned = self.kpos is None and same_k
-        if aligned:  # every row's block sits at the same positions, right after the cache
+        anchors = torch.tensor([r.anchor for r in rows], device=device)[:, None]
+        tree_step = any(t is not None for t in trees)
+        if tree_step:  # every row a tree (a chain is one), so its nodes sit at anchor + depth
+            trees = [t or tree.Tree.chain(drafts[b, : ks[b]].tolist()) for b, t in enumerate(trees)]
+            depth = torch.zeros(len(rows), k_max + 1, dtype=torch.long)
+            for b, t in enumerate(trees):
+                depth[b, 1 : ks[b] + 1] = torch.tensor(t.depths(), dtype=torch.long)
+            q_pos = anchors + depth.to(device)
+        if self.kpos is None and len(set(ks)) == 1 and not tree_step:
+            # aligned: every row's block sits at the same positions, right after the cache
             q_pos = (steps + self.length).expand(len(rows), -1)
             new_kpos, mask = q_pos, None
         else:
-            q_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + steps
+            q_pos = q_pos if tree_step else anchors + steps
             new_kpos = torch.where(steps <= torch.tensor(ks, device=device)[:, None], q_pos, DEAD)
             mask = self.target.attention_mask(q_pos, torch.cat([self.slot_positions(), new_kpos], 1))
+            if tree_step:
+                mask = tree.restrict(mask, tree.allowed(trees, k_max + 1, self.length, device))
         block = torch.cat([torch.tensor([r.tokens[-1] for r in rows], device=device)[:, None], drafts], 1)
         logits, feats = self.target.forward(
             block, q_pos, self.cache, features=self.feature_layers, attention_mask=mask
         )
         t2 = time.perf_counter()
-        accepted, bonus = verify_block(
-            logits,
-            drafts,
-            ks,
-            [r.sampling for r in rows],
-            [q for _, q in proposals],
-            [r.generator for r in rows],
-        )
+        if tree_step:
+            paths, bonus = verify_trees(
+                logits, trees, [r.sampling for r in rows], [r.generator for r in rows]
+            )
+        else:
+            accepted, bonus = verify_block(
+                logits,
+                drafts,
+                ks,
+                [r.sampling for r in rows],
+                [p[1] for p in proposals],
+                [r.generator for r in rows],
+            )
+            paths = [list(range(a)) for a in accepted]
         drafts_l = drafts.tolist()
         out, n = [], []
-        for b, (row, k, a) in enumerate(zip(rows, ks, accepted, strict=True)):
-            self._count_drafts(k, a)
-            new = row.commit(drafts_l[b][:a] + [bonus[b]])
+        for b, (row, k, path) in enumerate(zip(rows, ks, paths, strict=True)):
+            self._count_drafts(k, len(path))
+            new = row.commit([drafts_l[b][i] for i in path] + [bonus[b]])
             row.lengths.append(len(new))
             n.append(len(new))
             out.append(StepOutput(row.request_id, new, row.finished, len(new)))
+        order = path_order(paths, device) if tree_step else None
+        if (
+            order is not None
+        ):  # each row's accepted path to the front of its block: as if a chain was verified
+            reorder_slots(self.cache, self.length, order)
+            if feats is not None:
+                feats = feats.gather(1, order[:, :, None].expand(-1, -1, feats.shape[2]))
+        if tree_step:
+            new_kpos = anchors + steps  # slots past a row's n are cut below
         # The cache keeps each row's anchor and accepted drafts (its first n slots of the block);
         # slots that no row kept are cut off right away.
         if self.kpos is None and len(set(n)) == 1:  # every row kept its first n slots: still aligned

@@ -7,7 +7,8 @@ The engine owns the batch and tells its proposer what happens to it, in batch or
 - `join(rows, features)`: rows appended to the batch after their prefill; features[i] (len, n*H) are
   the target features of rows[i]'s prompt, of the layers `feature_layers` lists (None: it reads none);
 - `propose(rows, ks)`: per row b, up to ks[b] tokens to follow its anchor (a 1D tensor) and their
-  proposal probabilities q (1, len, V), or None for a one-hot (greedy) proposal;
+  proposal probabilities q (1, len, V), or None for a one-hot (greedy) proposal; or a tree of tokens,
+  as (tokens, None, `flashdraft.engine.tree.Tree`), at most ks[b] deep;
 - `accept(features, n)`: after the verify, row b committed n[b] tokens; features (B, T, n*H) are those
   of the verify block, the first n[b] of each row belong to its committed tokens;
 - `keep(index)`: only these rows (indices into the batch, in order) remain;
@@ -28,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashdraft.engine.sampling import probs, sample
+from flashdraft.engine import tree
+from flashdraft.engine.sampling import argmax, probs, sample
 from flashdraft.engine.sequence import Row
 from flashdraft.engine.slots import DEAD, gather_slots, live_order, map_draft_cache, worth_compacting
 from flashdraft.models.draft import DFlashDraft
@@ -160,13 +162,25 @@ class DFlashProposer(Proposer):
     With sampling, `proposal="draft"` samples each block position from the draft's own (warped)
     distribution and hands q to the verifier; `proposal="greedy"` drafts the argmax (one-hot q).
     Both are exact; they differ in how much they accept (see README, "Sampling").
+
+    `tree` > 0: every row's proposal is a tree of up to `tree` tokens built best-first from the block's
+    marginals (`flashdraft.engine.tree`; under the row's sampling settings when it samples), at most
+    `tree` deep, so the draft's block is cut to that.
     """
 
     def __init__(
-        self, draft: DFlashDraft, target: Target, proposal: str = "draft", context_vocab: bool = False
+        self,
+        draft: DFlashDraft,
+        target: Target,
+        proposal: str = "draft",
+        context_vocab: bool = False,
+        tree: int = 0,
     ):
         if proposal not in ("draft", "greedy"):
             raise ValueError(f"proposal must be 'draft' or 'greedy', got {proposal!r}")
+        if tree < 0:
+            raise ValueError(f"tree must be >= 0 (0: a chain), got {tree}")
+        self.tree = tree
         draft.check_target(target)
         kind = getattr(getattr(target, "quantization", None), "layers", None)
         if kind in ("q8_0", "q4_1") and next(draft.parameters()).dtype == target.dtype:
@@ -250,6 +264,8 @@ class DFlashProposer(Proposer):
             ctx.add(features[b, : n[b]])
 
     def propose(self, rows, ks):
+        if self.tree:  # a tree is never deeper than its budget
+            ks = [min(k, self.tree) for k in ks]
         device, n_rows, k_max = self.target.device, len(rows), max(ks)
         if self.kpos is not None and worth_compacting(self.kpos):
             order, n_live = live_order(self.kpos)
@@ -299,10 +315,20 @@ class DFlashProposer(Proposer):
         context = self._contexts(rows) if self.context_vocab else None
         logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head, context)
         self.last_logits = logits  # (B, k_max, V), for inspection (tests compare them across batch sizes)
-        greedy = logits.float().argmax(-1)  # the same ids; torch's bf16 argmax is 2x slower than the cast
+        greedy = None if self.tree else argmax(logits)
         out = []
         for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
-            if row.sampling.greedy or self.proposal == "greedy" or k == 0:
+            if k == 0:
+                out.append((NOTHING, None))
+            elif self.tree:
+                p = (
+                    logits[b, :k].float().softmax(-1)
+                    if row.sampling.greedy
+                    else probs(logits[b, :k], row.sampling)
+                )
+                drafted = tree.from_probs(p, self.tree)
+                out.append((torch.tensor(drafted.tokens, dtype=torch.long), None, drafted))
+            elif row.sampling.greedy or self.proposal == "greedy":
                 out.append((greedy[b, :k], None))
             else:
                 q = probs(logits[b : b + 1, :k], row.sampling)

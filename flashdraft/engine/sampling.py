@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.engine.tree import Tree, walk
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -82,9 +84,18 @@ def sample(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.T
     return torch.searchsorted(cdf, u, right=True).view(p.shape[:-1])
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), the first of equal maxima as torch gives it. Half-precision logits are cast
+    to float32 first (the same values, the same ids): torch's bf16 argmax takes 0.53 ms over 5 x 49k
+    on a 2-core EPYC, the cast and a float32 argmax 0.15."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)
+
+
 def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None):
     """Plain decoding's choice from logits (..., V)."""
-    return logits.argmax(-1) if cfg.greedy else sample(probs(logits, cfg), generator)
+    return argmax(logits) if cfg.greedy else sample(probs(logits, cfg), generator)
 
 
 def verify_block(
@@ -106,7 +117,7 @@ def verify_block(
     accepted, bonus = [0] * len(ks), [0] * len(ks)
     if any(s.greedy for s in samplings):
         k_max, device = drafts.shape[1], drafts.device
-        choice = logits.argmax(-1)
+        choice = argmax(logits)
         match = drafts == choice[:, :k_max]
         if len(set(ks)) > 1:  # a row's padding after its own drafts never counts as accepted
             match &= torch.arange(k_max, device=device) < torch.tensor(ks, device=device)[:, None]
@@ -146,3 +157,29 @@ def verify_sampling(
     if total <= 0:  # only reachable through rounding when p == q
         return a, sample(p[0, a], generator)
     return a, sample(residual / total, generator)
+
+
+def verify_trees(
+    logits: torch.Tensor,
+    trees: list[Tree],
+    samplings: list[SamplingConfig],
+    generators: list[torch.Generator | None],
+) -> tuple[list[list[int]], list[int]]:
+    """The verifier of a batch of drafted trees (`flashdraft.engine.tree`): per row b, the nodes it
+    accepts and the token that follows them. logits (B, T, V) at every row's [anchor, nodes].
+
+    At each node of the walk the target's own next token is chosen as plain decoding chooses it (the
+    argmax, or a sample from `probs` with the row's generator), and the walk goes on to the child that
+    carries it: every emitted token is distributed exactly as plain decoding's, whatever the tree. With
+    deterministic candidates this is rejection sampling of one-hot proposals over siblings (a sibling
+    rejected, the residual is p without it: the next sibling is tried on that, and so on)."""
+    choice = argmax(logits).tolist() if any(s.greedy for s in samplings) else None
+    paths, bonus = [], []
+    for b, (t, cfg, gen) in enumerate(zip(trees, samplings, generators, strict=True)):
+        if cfg.greedy:
+            path, token = walk(t, choice[b].__getitem__)
+        else:
+            path, token = walk(t, lambda i, b=b, cfg=cfg, gen=gen: int(sample(probs(logits[b, i], cfg), gen)))
+        paths.append(path)
+        bonus.append(token)
+    return paths, bonus

@@ -61,3 +61,22 @@ def map_draft_cache(cache: KVCache, fn: Callable[[torch.Tensor], torch.Tensor]) 
         if k is not None:
             cache.k[i] = fn(k[:, :, : cache.length])
             cache.v[i] = fn(cache.v[i][:, :, : cache.length])
+
+
+def path_order(paths: list[list[int]], device=None) -> torch.Tensor | None:
+    """(B, L) the slots of a verify block [anchor, nodes] that each row keeps, in order: its anchor and
+    accepted nodes (`paths`), padded with the last; L = the longest. None when every path is already
+    the front of its block (a chain's always is)."""
+    if all(path == list(range(len(path))) for path in paths):
+        return None
+    width = 1 + max(len(path) for path in paths)
+    order = [[0] + [i + 1 for i in path] for path in paths]
+    return torch.tensor([o + o[-1:] * (width - len(o)) for o in order], dtype=torch.long, device=device)
+
+
+def reorder_slots(cache, start: int, order: torch.Tensor) -> None:
+    """In place, every row's slots start.. of a target cache take the slots start + order (B, L)."""
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is not None and t.dim() == 4:
+                t[:, :, start : start + order.shape[1]] = gather_slots(t[:, :, start:], order)
