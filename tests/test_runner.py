@@ -433,3 +433,46 @@ def test_a_draft_beside_a_target_on_our_kernels_runs_on_them_too():
     ):
         copy.save_pretrained("/nonexistent")
     assert DFlashProposer(draft, quantized("llama", "int8")).draft is draft  # torch's kernels: as it is
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@torch.inference_mode()
+def test_the_native_draft_layers_agree_with_the_torch_layers():
+    """The quantized draft's layers as one C++ call (models/runner/draft.py) against the same copy's torch
+    layers, draft call after draft call on one cache: context arriving 5, 3 and 0 tokens at a time, then
+    two rows with a mask that hides dead slots. The hidden states stay within bf16 rounding of each other,
+    and so do the keys and values left in the caches (the native call writes them itself)."""
+    import copy as copying
+
+    run = quantized("llama", "q8_0")
+    draft = DFlashProposer(make_draft(run.reference.model, dtype=torch.bfloat16), run).draft
+    assert draft.native is not None
+    twin = copying.copy(draft)
+    twin.native = None  # the same weights on torch's ops
+    g = torch.Generator().manual_seed(1)
+    caches = draft.new_cache(), twin.new_cache()
+
+    def call(rows: int, ctx_len: int, block: int, mask=None) -> None:
+        start = caches[0].length
+        embeds = torch.randn(rows, block, 64, generator=g).bfloat16()
+        ctx = torch.randn(rows, ctx_len, draft.fc.in_features, generator=g).bfloat16()
+        ctx_pos = torch.arange(start, start + ctx_len).expand(rows, -1)
+        pos = torch.arange(start + ctx_len, start + ctx_len + block).expand(rows, -1)
+        got, want = (
+            m(embeds, pos, ctx, ctx_pos, cache=c, mask=mask)
+            for m, c in zip((draft, twin), caches, strict=True)
+        )
+        assert (got.float() - want.float()).norm() / want.float().norm() < 0.02, (rows, ctx_len, block)
+        assert caches[0].length == caches[1].length == start + ctx_len
+        for k0, k1 in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
+            a, b = k0[:, :, : start + ctx_len + block].float(), k1[:, :, : start + ctx_len + block].float()
+            assert (a - b).norm() / b.norm() < 0.02
+
+    for ctx_len in (5, 3, 0):
+        call(1, ctx_len, 8)
+    for c in caches:  # a second row, as the proposer's join makes it: the first row's slots dead for it
+        for i in range(len(c.k)):
+            c.k[i], c.v[i] = (torch.cat([t[:, :, : c.length]] * 2) for t in (c.k[i], c.v[i]))
+    visible = torch.ones(2, 1, 1, caches[0].length + 4 + 6, dtype=torch.bool)
+    visible[1, :, :, :5] = False
+    call(2, 4, 6, visible)

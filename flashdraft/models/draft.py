@@ -279,18 +279,28 @@ class KVCache:
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write [new context ; block] K/V after the committed length; return keys/values to attend over."""
         end = self.length + k.shape[2]
-        buf_k = self.k[layer]
-        if buf_k is None or buf_k.shape[2] < end or buf_k.dtype != k.dtype:
-            cap = max(end, 2 * (0 if buf_k is None else buf_k.shape[2]), 64)
-            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            new_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
-            if buf_k is not None and self.length:
-                new_k[:, :, : self.length] = buf_k[:, :, : self.length]
-                new_v[:, :, : self.length] = self.v[layer][:, :, : self.length]
-            self.k[layer], self.v[layer] = new_k, new_v
+        self._room(layer, k.shape[0], k.shape[1], end, k.shape[3], k.dtype, k.device)
         self.k[layer][:, :, self.length : end] = k
         self.v[layer][:, :, self.length : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def reserve(self, batch: int, kv_heads: int, head_dim: int, new: int, dtype, device) -> None:
+        """Room for `new` slots after the committed length in every layer (for the native draft)."""
+        for layer in range(len(self.k)):
+            self._room(layer, batch, kv_heads, self.length + new, head_dim, dtype, device)
+
+    def _room(self, layer: int, batch: int, kv_heads: int, end: int, head_dim: int, dtype, device) -> None:
+        """Layer's buffers of at least `end` slots (grown by doubling), the committed ones kept."""
+        buf_k = self.k[layer]
+        if buf_k is not None and buf_k.shape[2] >= end and buf_k.dtype == dtype and buf_k.shape[0] == batch:
+            return
+        cap = max(end, 2 * (0 if buf_k is None else buf_k.shape[2]), 64)
+        new_k = torch.empty(batch, kv_heads, cap, head_dim, dtype=dtype, device=device)
+        new_v = torch.empty_like(new_k)
+        if buf_k is not None and self.length:
+            new_k[:, :, : self.length] = buf_k[:, :, : self.length]
+            new_v[:, :, : self.length] = self.v[layer][:, :, : self.length]
+        self.k[layer], self.v[layer] = new_k, new_v
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
@@ -436,6 +446,7 @@ class DFlashDraft(nn.Module):
         self.vocab_rows: torch.Tensor | None = None
         self._vocab_head: tuple | None = None  # (key, head of the rows, rows) of the last LM head seen
         self.head_kind: str | None = None  # `quantized`: the vocabulary's head rows on the kernels too
+        self.native = None  # `quantized`: the layers as one C++ call, where the kernels compute them
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -479,8 +490,11 @@ class DFlashDraft(nn.Module):
         if isinstance(mask, torch.Tensor) and "sliding_attention" in self.config.layer_types:
             mask = self._window_masks(mask, block_positions, ctx_positions, blocks)
         x = block_embeds
-        for layer in self.layers:
-            x = layer(x, ctx, rope_x, rope_ctx, cache, mask, blocks)
+        if self.native is not None and cache is not None and not blocks:  # a quantized copy's layers in C++
+            x = self.native(x, ctx, rope_x, rope_ctx, cache, mask)
+        else:
+            for layer in self.layers:
+                x = layer(x, ctx, rope_x, rope_ctx, cache, mask, blocks)
         if cache is not None:
             cache.length += ctx.shape[1]
         return self.norm(x)
@@ -685,6 +699,7 @@ class DFlashDraft(nn.Module):
         proposes, so this moves its acceptance a little, never the output. Not trainable, not savable."""
         import copy
 
+        from flashdraft.models.runner import draft as native
         from flashdraft.models.runner.quant import BlockLinear
 
         q = copy.deepcopy(self)
@@ -695,6 +710,9 @@ class DFlashDraft(nn.Module):
                     setattr(module, name, BlockLinear(child.weight.detach(), child.bias, dtype, kind))
         q.requires_grad_(False)
         q.head_kind, q._vocab_head = kind, None
+        dtype = self.fc.weight.dtype
+        if native.supports(self, kind, dtype):
+            q.native = native.NativeDraftLayers(self, kind, dtype)
         q.save_pretrained = _not_savable  # its weights are no longer the draft's own
         return q
 

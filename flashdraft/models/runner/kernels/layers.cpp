@@ -385,6 +385,7 @@ struct Work {
   bf16 *kp, *vp;  // this layer's cache
   int64_t b, t, start, cap, path;
   const float* mask;
+  bool causal = true;  // false: every query sees every slot up to its block's end (the DFlash draft)
 };
 
 // y = x W^T (+ bias) from x's quantized blocks `a`, a tile of 16 columns at a time, guided as
@@ -422,17 +423,19 @@ void team_attention(const Model& m, Work& w, Scratch& scratch) {
       qs[n] = w.qkv + r * width + head * d;
       outs[n] = w.att + r * h * d + head * d;
       masks[n] = w.mask ? w.mask + r * end : nullptr;
-      visible[n] = w.start + tok;
+      visible[n] = w.causal ? w.start + tok : w.start + t - 1;
     }
     const int64_t base = (row * kvh + g) * w.cap * d, kend = w.mask ? end : visible[n - 1] + 1;
     attend(m, qs, n, w.kp + base, w.vp + base, kend, visible, masks, outs, w.path != REFERENCE, scratch);
   }
 }
 
+void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden);
+
 // One layer over w.x (rows = b * t, hidden), in place; every thread of the team calls it.
 void layer_team(const Model& m, const Layer& L, Work& w, int64_t hidden, Scratch& scratch) {
   const int64_t rows = w.b * w.t, h = m.heads, kvh = m.kv_heads, d = m.head_dim, width = (h + 2 * kvh) * d;
-  const int64_t inter = L.gate_up.n / 2, path = w.path;
+  const int64_t path = w.path;
   const bool vector = path != REFERENCE;
 #pragma omp for
   for (int64_t r = 0; r < rows; ++r) {
@@ -454,8 +457,16 @@ void layer_team(const Model& m, const Layer& L, Work& w, int64_t hidden, Scratch
     }
   }
   team_attention(m, w, scratch);
+  output_team(m, L, w, hidden);
+}
+
+// After the attention: the output projection and residual, the norm, the MLP and its residual, over
+// the rows of w.x.
+void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden) {
+  const int64_t rows = w.b * w.t, inter = L.gate_up.n / 2, path = w.path;
+  const bool vector = path != REFERENCE;
 #pragma omp for
-  for (int64_t r = 0; r < rows; ++r) quantize_row(w.att, h * d, r, w.heads, path);
+  for (int64_t r = 0; r < rows; ++r) quantize_row(w.att, m.heads * m.head_dim, r, w.heads, path);
   team_gemm(w.heads, L.o, w.o, path);
 #pragma omp for
   for (int64_t r = 0; r < rows; ++r) {
@@ -473,6 +484,41 @@ void layer_team(const Model& m, const Layer& L, Work& w, int64_t hidden, Scratch
   team_gemm(w.inter, L.down, w.down, path);
 #pragma omp for
   for (int64_t r = 0; r < rows; ++r) add(w.x + r * hidden, w.down + r * hidden, hidden);
+}
+
+// One layer of a DFlash draft (models/draft.py's `Layer`): a Qwen3 layer whose keys and values come from
+// [context ; norm1(block)]. The context rows are the target's features as the draft's fc and norm made
+// them, the same at every layer, so the caller quantizes them once into `kv`'s rows after the block's.
+// Their keys and values go to the cache before the block's (slots w.start - c ..), and the block's
+// queries see every slot up to the block's end (w.causal false, or the mask).
+void draft_layer_team(const Model& m, const Layer& L, Work& w, Acts& kv, int64_t c, const bf16* ccos,
+                      const bf16* csin, int64_t hidden, Scratch& scratch) {
+  const int64_t rows = w.b * w.t, h = m.heads, kvh = m.kv_heads, d = m.head_dim, width = (h + 2 * kvh) * d;
+  const bool vector = w.path != REFERENCE;
+#pragma omp for
+  for (int64_t r = 0; r < rows; ++r) {
+    rms_norm(w.x + r * hidden, L.norm1.data_ptr<bf16>(), w.hx + r * hidden, 1, hidden, hidden, m.eps, vector);
+    quantize_row(w.hx, hidden, r, kv, w.path);
+  }
+  team_gemm(kv, L.qkv, w.qkv, w.path);  // (rows + b c, (h + 2 kvh) d): the block's rows, then the context's
+  const int64_t block_items = rows * (h + kvh), items = block_items + w.b * c * kvh;
+#pragma omp for
+  for (int64_t i = 0; i < items; ++i) {  // the block's q and k heads, the context's k heads; keys, values cached
+    const bool context = i >= block_items;
+    const int64_t r = context ? rows + (i - block_items) / kvh : i / (h + kvh);
+    const int64_t head = context ? h + (i - block_items) % kvh : i % (h + kvh), j = context ? r - rows : r;
+    bf16* v = w.qkv + r * width + head * d;
+    rms_norm(v, (head < h ? L.qnorm : L.knorm).data_ptr<bf16>(), v, 1, d, d, m.eps, vector);
+    rope(v, (context ? ccos : w.cos) + j * d, (context ? csin : w.sin) + j * d, d, vector);
+    if (head >= h) {  // (row, kv head, slot)
+      const int64_t row = context ? j / c : j / w.t, slot = context ? w.start - c + j % c : w.start + j % w.t;
+      const int64_t at_ = ((row * kvh + head - h) * w.cap + slot) * d;
+      std::memcpy(w.kp + at_, v, d * sizeof(bf16));
+      std::memcpy(w.vp + at_, v + kvh * d, d * sizeof(bf16));
+    }
+  }
+  team_attention(m, w, scratch);
+  output_team(m, L, w, hidden);
 }
 
 const Model& model(int64_t handle) {
@@ -574,6 +620,70 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
   return out;
 }
 
+// A DFlash draft's layers (registered by `llama_new`: the same weights as a Qwen3 layer) over its block
+// x (b, t, hidden) bf16 and the new context ctx (b, c, hidden) (after its fc and norm), with RoPE tables
+// cos / sin (b, t, head_dim) and ccos / csin (b, c, head_dim). Writes the context's and the block's keys
+// and values at slots start.. of each layer's cache (b, kv_heads, capacity, head_dim); `mask` (b, 1, t,
+// start + c + t) additive float32, or none: every slot seen. Returns the last layer's output (before the
+// draft's final norm).
+at::Tensor draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& ctx, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& ccos, const at::Tensor& csin,
+                         const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t start,
+                         const c10::optional<at::Tensor>& mask, int64_t path) {
+  const Model& m = model(handle);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "draft_forward: x must be bf16 (b, t, hidden)");
+  const int64_t b = x.size(0), t = x.size(1), c = ctx.size(1), hidden = x.size(2), rows = b * t, n = m.layers.size();
+  TORCH_CHECK(ctx.scalar_type() == at::kBFloat16 && ctx.dim() == 3 && ctx.size(0) == b && ctx.size(2) == hidden,
+              "draft_forward: ctx must be bf16 (b, c, hidden)");
+  TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "draft_forward: a cache a layer");
+  TORCH_CHECK(m.layers[0].qnorm.numel(), "draft_forward: a DFlash draft's layers have q and k norms");
+  const int64_t end = start + c + t;
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].size(0) == b &&
+                    keys[i].size(2) >= end && keys[i].scalar_type() == at::kBFloat16,
+                "draft_forward: layer ", i, "'s cache has no room (or is not bf16)");
+  at::Tensor mk;
+  if (mask && mask->defined()) {
+    mk = mask->to(at::kFloat).contiguous();
+    TORCH_CHECK(mk.numel() == b * t * end, "draft_forward: the mask must be (b, 1, t, start + c + t)");
+  }
+  if (path == AUTO) path = best_path();
+  const Layer& L0 = m.layers[0];
+  const int64_t inter = L0.gate_up.n / 2, heads = m.heads * m.head_dim;
+  auto buffer = [&](int64_t r, int64_t width) { return at::empty({r, width}, x.options()); };
+  at::Tensor h = x.reshape({rows, hidden}).clone(), kx = buffer(rows + b * c, hidden);
+  kx.narrow(0, rows, b * c).copy_(ctx.reshape({b * c, hidden}));
+  const at::Tensor hx = buffer(rows, hidden), qv = buffer(rows + b * c, L0.qkv.n), att = buffer(rows, heads),
+                   o = buffer(rows, hidden), gu = buffer(rows, 2 * inter), act = buffer(rows, inter),
+                   down = buffer(rows, hidden);
+  const at::Tensor c1 = cos.contiguous(), s1 = sin.contiguous(), c2 = ccos.contiguous(), s2 = csin.contiguous();
+  Work w{h.data_ptr<bf16>(), hx.data_ptr<bf16>(), qv.data_ptr<bf16>(), att.data_ptr<bf16>(), o.data_ptr<bf16>(),
+         gu.data_ptr<bf16>(), act.data_ptr<bf16>(), down.data_ptr<bf16>(), {}, {}, {},
+         c1.data_ptr<bf16>(), s1.data_ptr<bf16>(), nullptr, nullptr, b, t, start + c, keys[0].size(2), path,
+         mk.defined() ? mk.data_ptr<float>() : nullptr, false};
+  w.hidden.resize(rows, hidden);
+  w.heads.resize(rows, heads);
+  w.inter.resize(rows, inter);
+  Acts kv;
+  kv.resize(rows + b * c, hidden);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    Scratch scratch;
+#pragma omp for
+    for (int64_t i = rows * kv.blocks; i < (rows + b * c) * kv.blocks; ++i)  // the context, once for all layers
+      quantize_act(kx.data_ptr<bf16>(), hidden, i, path, kv);
+    for (int64_t i = 0; i < n; ++i) {
+#pragma omp single
+      {
+        w.kp = keys[i].data_ptr<bf16>();
+        w.vp = values[i].data_ptr<bf16>();
+      }
+      draft_layer_team(m, m.layers[i], w, kv, c, c2.data_ptr<bf16>(), s2.data_ptr<bf16>(), hidden, scratch);
+    }
+  }
+  return h.view(x.sizes());
+}
+
 TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
   m.def("llama_new(Tensor[] tensors, int[] shapes, int heads, int kv_heads, int head_dim, float eps, float scale) -> int",
         &llama_new);
@@ -581,4 +691,7 @@ TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
   m.def("llama_forward(int handle, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int start, "
         "Tensor? mask, int[] wanted, int path) -> Tensor[]",
         &llama_forward);
+  m.def("draft_forward(int handle, Tensor x, Tensor ctx, Tensor cos, Tensor sin, Tensor ccos, Tensor csin, "
+        "Tensor[] keys, Tensor[] values, int start, Tensor? mask, int path) -> Tensor",
+        &draft_forward);
 }

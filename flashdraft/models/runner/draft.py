@@ -1,0 +1,111 @@
+"""The DFlash draft's layers on our kernels: one C++ call per draft call (kernels/layers.cpp,
+`draft_forward`), for a draft whose linears run on the runner's GGUF blocks (`DFlashDraft.quantized`).
+
+On torch ops a draft call is about 150 small ops dispatched from Python: 3.0 ms on a 2-core EPYC, two
+thirds of a target step once the target ran on our kernels, which made every speculative step lose to
+plain decoding there. A draft layer has a Qwen3 layer's weights (q and k norms), so `llama_new`
+registers them; only the forward differs: keys and values come from [context ; block], and the block's
+queries see every slot (no causal order inside the block). The draft only proposes: its numbers may
+differ from the torch ops' by rounding, which moves acceptance a little, never the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdraft.models.runner import kernels
+from flashdraft.models.runner.quant import BlockLinear
+
+
+def supports(draft, kind: str, dtype: torch.dtype) -> bool:
+    """Whether `draft_forward` computes this draft's layers: bf16 activations, our kernels built, every
+    layer full attention (no sliding windows)."""
+    return (
+        kernels.available()
+        and kind in kernels.KINDS
+        and dtype == torch.bfloat16
+        and all(t == "full_attention" for t in draft.config.layer_types)
+    )
+
+
+class NativeDraftLayers:
+    """The layers of a dense `DFlashDraft`, quantized to `kind` with q / k / v and gate / up fused, as one
+    C++ model; called as the draft's layer loop is (models/draft.py, `DFlashDraft.forward`)."""
+
+    def __init__(self, draft, kind: str, dtype: torch.dtype):
+        def linear(*mods) -> BlockLinear:
+            weight = torch.cat([m.weight.detach() for m in mods])
+            return BlockLinear(weight, None, dtype, kind)
+
+        tensors, shapes, self._keep = [], [], []
+        for layer in draft.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            tensors += [
+                layer.input_layernorm.weight.detach().to(dtype).contiguous(),
+                layer.post_attention_layernorm.weight.detach().to(dtype).contiguous(),
+                a.q_norm.weight.detach().to(dtype).contiguous(),
+                a.k_norm.weight.detach().to(dtype).contiguous(),
+            ]
+            for lin in (
+                linear(a.q_proj, a.k_proj, a.v_proj),
+                linear(a.o_proj),
+                linear(mlp.gate_proj, mlp.up_proj),
+            ):
+                tensors += [lin.packed, lin.scales, torch.empty(0)]
+                shapes += [lin.out_features, kernels.KINDS[kind]]
+                self._keep.append(lin)
+            down = linear(mlp.down_proj)
+            tensors += [down.packed, down.scales, torch.empty(0)]
+            shapes += [down.out_features, kernels.KINDS[kind]]
+            self._keep.append(down)
+        self._keep.append(tensors)
+        cfg = draft.config
+        self.kv_heads, self.head_dim, self.dtype = cfg.num_key_value_heads, cfg.head_dim, dtype
+        self.handle = torch.ops.flashdraft.llama_new(
+            tensors,
+            shapes,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
+        )
+
+    def __del__(self):
+        if getattr(self, "handle", None) is not None:
+            torch.ops.flashdraft.llama_free(self.handle)
+
+    def __deepcopy__(self, memo) -> NativeDraftLayers:
+        return self  # read-only weights: copies share them (and the handle is freed once)
+
+    def __call__(self, x, ctx, rope_x, rope_ctx, cache, mask) -> torch.Tensor:
+        """The layers' output for block x (B, T, H) with new context ctx (B, C, H), their RoPE tables
+        (cos, sin) and `mask` (bool, broadcastable to (B, 1, T, slots)) or None; writes the context's and
+        the block's keys and values after the cache's committed length (its length unchanged)."""
+        b, t, c = x.shape[0], x.shape[1], ctx.shape[1]
+        start = cache.length
+        cache.reserve(b, self.kv_heads, self.head_dim, c + t, self.dtype, x.device)
+        if rope_ctx is None:
+            rope_ctx = (x.new_zeros(b, 0, self.head_dim),) * 2
+        if mask is not None:
+            low = torch.finfo(torch.float32).min
+            full = (b, 1, t, start + c + t)
+            mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, low).expand(full)
+        return torch.ops.flashdraft.draft_forward(
+            self.handle,
+            x.contiguous(),
+            ctx.contiguous(),
+            *_tables(*rope_x),
+            *_tables(*rope_ctx),
+            cache.k,
+            cache.v,
+            start,
+            mask,
+            kernels.path(),
+        )
+
+
+def _tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' tables (rotate_half) as the kernels take them: sin's first half negated (a roll)."""
+    half = sin.shape[-1] // 2
+    return cos.contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], -1).contiguous()
