@@ -42,11 +42,11 @@ def ints(text: str) -> list[int]:
     return values
 
 
-def measure(target, draft, blocks, batch_size, prompts, config, rounds: int) -> dict:
-    """Plain, each block size and adaptive at one batch size, `rounds` times in a rotating order, so that
-    the machine's drift over minutes reaches every method alike. Per method: the median round's run
-    (by tokens/s), with every round's tokens/s beside it."""
-    methods = ["plain", *map(str, blocks), "adaptive"]
+def measure(target, draft, blocks, trees, batch_size, prompts, config, rounds: int) -> dict:
+    """Plain, each block size, each tree size and adaptive at one batch size, `rounds` times in a rotating
+    order, so that the machine's drift over minutes reaches every method alike. Per method: the median
+    round's run (by tokens/s), with every round's tokens/s beside it."""
+    methods = ["plain", *map(str, blocks), *(f"tree-{n}" for n in trees), "adaptive"]
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     for r in range(rounds):
         for m in methods[r % len(methods) :] + methods[: r % len(methods)]:
@@ -54,6 +54,11 @@ def measure(target, draft, blocks, batch_size, prompts, config, rounds: int) -> 
                 runs[m].append(run(target, None, None, batch_size, prompts, config))
             elif m == "adaptive":
                 runs[m].append(run(target, draft, max(blocks), batch_size, prompts, config, adaptive=True))
+            elif m.startswith("tree-"):
+                tree = int(m.removeprefix("tree-"))
+                runs[m].append(
+                    run(target, draft, draft.config.block_size, batch_size, prompts, config, tree=tree)
+                )
             else:
                 runs[m].append(run(target, draft, int(m), batch_size, prompts, config))
     out = {}
@@ -64,6 +69,8 @@ def measure(target, draft, blocks, batch_size, prompts, config, rounds: int) -> 
 
 
 def label(block) -> str:
+    if str(block).startswith("tree-"):
+        return f"tree of {block.removeprefix('tree-')}"
     return "adaptive" if block == "adaptive" else f"DFlash B={block}"
 
 
@@ -77,14 +84,15 @@ def chat_prompts(target, dataset: str, n: int) -> list[list[int]]:
     return [chat_ids(tok, ex.messages()) for ex in examples]
 
 
-def run(target, draft, block_size, batch_size, prompts, config, adaptive=False) -> dict:
+def run(target, draft, block_size, batch_size, prompts, config, adaptive=False, tree=0) -> dict:
     """All prompts through one decoder with at most batch_size rows; throughput and acceptance.
-    `adaptive`: the draft behind adaptive speculation (a fresh proposer: it measures this batch size)."""
+    `adaptive`: the draft behind adaptive speculation (a fresh proposer: it measures this batch size);
+    `tree`: trees of that many drafted tokens."""
     if adaptive:
         proposer = make_proposer(draft, target, speculation="adaptive")
         dec = Engine(target, block_size=block_size, max_batch_size=batch_size, proposer=proposer)
     else:
-        proposer = None if draft is None else DFlashProposer(draft, target)
+        proposer = None if draft is None else DFlashProposer(draft, target, tree=tree)
         dec = Engine(target, proposer, block_size, max_batch_size=batch_size)
     out: dict[str, list[int]] = {}
     start = time.perf_counter()
@@ -111,6 +119,9 @@ def main():
     ap.add_argument("--draft", required=True, help="DFlash draft directory")
     ap.add_argument("--batch-sizes", type=ints, default=[1, 4, 8, 16])
     ap.add_argument("--block-sizes", type=ints, default=None, help="default: the draft's own block size")
+    ap.add_argument(
+        "--trees", type=ints, default=[], help="drafted tokens per tree, e.g. 3,4 (default: none)"
+    )
     ap.add_argument("--dataset", default="mt-bench", help="built-in data set of chat prompts")
     ap.add_argument("--prompts", type=int, default=32, help="prompts per run (>= the largest batch size)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -143,9 +154,9 @@ def main():
     run(target, draft, blocks[0], 2, prompts[:2], GenerationConfig(8, stop_ids=target.stop_ids))  # warm-up
 
     rows = []
-    methods = [*blocks, "adaptive"]
+    methods = [*blocks, *(f"tree-{n}" for n in args.trees), "adaptive"]
     for bs in args.batch_sizes:
-        runs = measure(target, draft, blocks, bs, prompts, config, args.rounds)
+        runs = measure(target, draft, blocks, args.trees, bs, prompts, config, args.rounds)
         plain = runs.pop("plain")
         row = {"batch_size": bs, "plain": {k: v for k, v in plain.items() if k != "outputs"}, "dflash": {}}
         for block in methods:
@@ -155,7 +166,7 @@ def main():
             spec["rows_identical_to_plain"] = same
             row["dflash"][str(block)] = spec
             print(
-                f"batch {bs:>3}  plain {plain['tokens_per_s']:8.1f} tok/s  {label(block):<11} "
+                f"batch {bs:>3}  plain {plain['tokens_per_s']:8.1f} tok/s  {label(block):<12} "
                 f"{spec['tokens_per_s']:8.1f} tok/s  x{spec['speedup']:.2f}  tau {spec['tau']:.2f}  "
                 f"same output {same}/{len(prompts)}",
                 flush=True,

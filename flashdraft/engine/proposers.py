@@ -187,6 +187,8 @@ class DFlashProposer(Proposer):
             draft = draft.quantized("q8_0")  # the target's kernels run it too (DFlashDraft.quantized)
         self.feature_layers = list(draft.config.target_layer_ids)
         self.draft, self.target, self.proposal = draft, target, proposal
+        if draft.vocab is not None:  # made now, not in the first request's first draft call
+            draft.vocab_head(target.lm_head)
         # With a draft vocabulary: each request's own tokens join its rows of the head (propose_logits).
         self.context_vocab = context_vocab and draft.vocab is not None
         self._vocab_set = set(draft.vocab.tolist()) if self.context_vocab else set()

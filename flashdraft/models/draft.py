@@ -572,6 +572,19 @@ class DFlashDraft(nn.Module):
         hidden = hidden.reshape(-1, hidden.shape[-1])
         if self.vocab is None:
             return self.logits(hidden, lm_head).view(*lead, -1)
+        head, rows = self.vocab_head(lm_head)
+        sub = self.logits(hidden, head)
+        full = sub.new_full((sub.shape[0], lm_head.weight.shape[0]), float("-inf"))
+        full.index_copy_(-1, rows, sub)
+        if context is not None:
+            self._context_logits(full, hidden, lm_head, context)
+        return full.view(*lead, -1)
+
+    def vocab_head(self, lm_head: nn.Module) -> tuple:
+        """(the draft vocabulary's rows of `lm_head` as a module, those rows' ids), made on first use for
+        this head and kept. On our kernels making them takes a third of a second (the head's blocks
+        dequantized and the rows requantized): `DFlashProposer` asks for them when it is built, so no
+        request pays it."""
         weight = lm_head.weight
         key = (weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape))
         if self._vocab_head is None or self._vocab_head[0] != key:
@@ -582,13 +595,7 @@ class DFlashDraft(nn.Module):
             if self.head_kind is not None:  # `quantized`: the rows on the kernels (the target's own blocks)
                 head = quantized_rows(lm_head, rows, self.head_kind)
             self._vocab_head = (key, head, rows)
-        _, head, rows = self._vocab_head
-        sub = self.logits(hidden, head)
-        full = sub.new_full((sub.shape[0], weight.shape[0]), float("-inf"))
-        full.index_copy_(-1, rows, sub)
-        if context is not None:
-            self._context_logits(full, hidden, lm_head, context)
-        return full.view(*lead, -1)
+        return self._vocab_head[1:]
 
     def _context_logits(
         self, full: torch.Tensor, hidden: torch.Tensor, lm_head: nn.Module, context: list[torch.Tensor]
