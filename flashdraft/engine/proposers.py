@@ -317,18 +317,17 @@ class DFlashProposer(Proposer):
         context = self._contexts(rows) if self.context_vocab else None
         logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head, context)
         self.last_logits = logits  # (B, k_max, V), for inspection (tests compare them across batch sizes)
-        greedy = None if self.tree else argmax(logits)
+        sub, ids = self.draft.last_vocab_logits or (logits, None)  # the draft vocabulary's columns alone
+        greedy = None if self.tree else (argmax(sub) if ids is None else ids[argmax(sub)])
         out = []
         for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
             if k == 0:
                 out.append((NOTHING, None))
             elif self.tree:
-                p = (
-                    logits[b, :k].float().softmax(-1)
-                    if row.sampling.greedy
-                    else probs(logits[b, :k], row.sampling)
-                )
-                drafted = tree.from_probs(p, self.tree)
+                if row.sampling.greedy:
+                    drafted = tree.from_probs(sub[b, :k].float().softmax(-1), self.tree, ids)
+                else:
+                    drafted = tree.from_probs(probs(logits[b, :k], row.sampling), self.tree)
                 out.append((torch.tensor(drafted.tokens, dtype=torch.long), None, drafted))
             elif row.sampling.greedy or self.proposal == "greedy":
                 out.append((greedy[b, :k], None))

@@ -79,10 +79,11 @@ def build(probs: list[list[float]], tokens: list[list[int]], budget: int) -> Tre
     return out
 
 
-def from_probs(p: torch.Tensor, budget: int) -> Tree:
-    """`build` from a row's draft distributions (depth, V) at block positions 1..depth."""
+def from_probs(p: torch.Tensor, budget: int, ids: torch.Tensor | None = None) -> Tree:
+    """`build` from a row's draft distributions (depth, V) at block positions 1..depth; `ids`: the token
+    id of each of p's columns (default: the column)."""
     probs, tokens = p.topk(min(budget, p.shape[-1]), -1)
-    return build(probs.tolist(), tokens.tolist(), budget)
+    return build(probs.tolist(), (tokens if ids is None else ids[tokens]).tolist(), budget)
 
 
 def walk(tree: Tree, next_token: Callable[[int], int]) -> tuple[list[int], int]:
