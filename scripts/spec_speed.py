@@ -6,7 +6,9 @@ with the draft's layers on our kernels in one C++ call and on torch's ops, inter
 Every method decodes every prompt (greedy) before the next prompt starts, the order rotating,
 so the machine's drift hits all alike; EOS is ignored (every prompt decodes --new tokens). Prints a table: decode tokens per second (prefill excluded), the
 speedup over plain decoding, tau (tokens committed per verify forward) and the median draft and verify
-times of a step. "torch" methods run the same quantized draft with its layers on torch's ops.
+times of a step. "torch" methods run the same quantized draft with its layers on torch's ops; "adaptive,
+chains only" verifies its cut chains as chains (the default verifies a greedy row's chain of 2 or more as a
+tree of as many tokens).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def methods(draft, target, chains, trees) -> dict:
                 draft.config.block_size,
             )
         out[f"adaptive ({layers})"] = (wrap(make_proposer(draft, target)), draft.config.block_size)
+    chains = make_proposer(draft, target)
+    chains.trees = False  # its cut chains verified as chains
+    out["adaptive, chains only (native)"] = (chains, draft.config.block_size)
     return out
 
 

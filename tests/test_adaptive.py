@@ -69,6 +69,7 @@ def test_greedy_adaptive_hybrid_equals_plain_alone_and_batched(arch_name):
     assert [r.tokens for r in batched] == plain
     s = adaptive.stats
     assert s["dflash_rows"] and s["ngram_rows"], s  # both proposers were used
+    assert s["tree_rows"], s  # and some DFlash chains went out as trees
 
 
 def test_sampling_adaptive_is_exact():
@@ -359,3 +360,12 @@ def test_in_a_batch_a_row_explores_only_when_the_step_verifies_drafts_anyway():
     )
     kept = adaptive.cut([explore, good, A.NONE, A.NONE])
     assert kept[0].exploring and kept[1].source == "dflash"  # the drafts pay: the exploring row rides along
+
+
+def test_a_tree_row_teaches_the_calibration_what_its_chain_would_have_accepted():
+    """Where a chain went out as a tree, the calibration learns how many of the chain's tokens the
+    committed ones begin with: the chain's acceptance, not the tree's (its confidences are the chain's)."""
+    assert A._leading([5, 6, 7], [5, 6, 8]) == 2  # the tree accepted 5, 6 and gave 7: the chain stops at 8
+    assert A._leading([5, 9], [5, 6, 8]) == 1  # a sibling of the chain's second token was accepted
+    assert A._leading([4, 6], [5, 6]) == 0
+    assert A._leading([5, 6], [5, 6, 8]) == 2  # as far as the committed tokens tell

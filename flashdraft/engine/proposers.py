@@ -265,6 +265,12 @@ class DFlashProposer(Proposer):
         for b, ctx in enumerate(self.pending):
             ctx.add(features[b, : n[b]])
 
+    def tree_of(self, b: int, depth: int, budget: int) -> tree.Tree:
+        """Row b's tree of up to `budget` tokens from the last call's marginals at block positions
+        1..depth, as their softmax gives them (a greedy row's)."""
+        sub, ids = self.draft.last_vocab_logits or (self.last_logits, None)
+        return tree.from_probs(sub[b, :depth].float().softmax(-1), budget, ids)
+
     def propose(self, rows, ks):
         if self.tree:  # a tree is never deeper than its budget
             ks = [min(k, self.tree) for k in ks]
@@ -325,7 +331,7 @@ class DFlashProposer(Proposer):
                 out.append((NOTHING, None))
             elif self.tree:
                 if row.sampling.greedy:
-                    drafted = tree.from_probs(sub[b, :k].float().softmax(-1), self.tree, ids)
+                    drafted = self.tree_of(b, k, self.tree)
                 else:
                     drafted = tree.from_probs(probs(logits[b, :k], row.sampling), self.tree)
                 out.append((torch.tensor(drafted.tokens, dtype=torch.long), None, drafted))
