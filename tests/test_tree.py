@@ -86,27 +86,32 @@ TREES = [
     ],
 )
 def test_tree_node_logits_equal_the_one_token_steps_of_its_path(make):
-    check_tree_nodes(make(), TREES)
+    run = make()
+    check_tree_nodes(run, TREES)  # two rows with different trees in one verify
+    check_tree_nodes(run, TREES[:1])  # batch 1
 
 
 @torch.inference_mode()
 def check_tree_nodes(run, trees: list[Tree]) -> None:
-    """Two rows of 97 prompt tokens verify different trees in one forward, masked and placed as the
-    engine does; every node's logits (and the anchor's) equal those of its row alone fed the node's path
-    one token at a time, bit for bit."""
+    """Rows of 97 prompt tokens verify their trees in one forward, masked and placed as the engine does;
+    every node's logits (and the anchor's) equal those of its row alone fed the node's path one token at
+    a time, bit for bit."""
     g = torch.Generator().manual_seed(7)
-    n, width = 97, 1 + max(len(t) for t in trees)
-    prompt, anchors = torch.randint(0, 128, (2, n), generator=g), torch.randint(0, 128, (2,), generator=g)
+    rows, n, width = len(trees), 97, 1 + max(len(t) for t in trees)
+    prompt, anchors = (
+        torch.randint(0, 128, (rows, n), generator=g),
+        torch.randint(0, 128, (rows,), generator=g),
+    )
     cache = run.new_cache()
-    run.forward(prompt, torch.arange(n).expand(2, -1), cache)
-    block = torch.zeros(2, width, dtype=torch.long)
-    depth = torch.zeros(2, width, dtype=torch.long)
+    run.forward(prompt, torch.arange(n).expand(rows, -1), cache)
+    block = torch.zeros(rows, width, dtype=torch.long)
+    depth = torch.zeros(rows, width, dtype=torch.long)
     for b, t in enumerate(trees):
         block[b, 0], block[b, 1 : len(t) + 1] = anchors[b], torch.tensor(t.tokens)
         depth[b, 1 : len(t) + 1] = torch.tensor(t.depths())
     q_pos = n + depth
     live = torch.arange(width) <= torch.tensor([len(t) for t in trees])[:, None]
-    kpos = torch.cat([torch.arange(n).expand(2, -1), torch.where(live, q_pos, DEAD)], 1)
+    kpos = torch.cat([torch.arange(n).expand(rows, -1), torch.where(live, q_pos, DEAD)], 1)
     mask = tree.restrict(run.attention_mask(q_pos, kpos), tree.allowed(trees, width, n))
     verify, _ = run.forward(block, q_pos, cache, attention_mask=mask)
     for b, t in enumerate(trees):
