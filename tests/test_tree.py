@@ -258,16 +258,13 @@ class MarkovTreeDraft(Proposer):
 
 def retrying_walk(t: Tree, next_token):
     """A broken walk: where the target's token is in no child, it draws once more (a bias toward drafts)."""
-    children, node, path = t.children(), -1, []
-    while True:
-        token = next_token(node + 1)
-        if token not in children.get(node, {}):
-            token = next_token(node + 1)
-        child = children.get(node, {}).get(token)
-        if child is None:
-            return path, token
-        path.append(child)
-        node = child
+    children = t.children()
+
+    def twice(i: int) -> int:  # slot i: the anchor (0) or node i - 1
+        token = next_token(i)
+        return token if token in children.get(i - 1, {}) else next_token(i)
+
+    return tree.walk(t, twice)
 
 
 @pytest.mark.parametrize(
