@@ -22,6 +22,34 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "a tree node sees its parent but not the ancestors above it",
+        "flashdraft/engine/tree.py",
+        "            anc[b, i + 1] |= anc[b, p + 1]",
+        "            anc[b, i + 1, p + 1] = True",
+        "tests/test_tree.py::test_tree_node_logits_equal_the_one_token_steps_of_its_path",
+    ),
+    (
+        "a tree verify leaves the accepted path where it was in the block",
+        "flashdraft/engine/slots.py",
+        "                t[:, :, start : start + order.shape[1]] = gather_slots(t[:, :, start:], order)",
+        "                pass",
+        "tests/test_tree.py::test_greedy_tree_decoding_equals_plain_decoding_in_float64",
+    ),
+    (
+        "a sampled tree walk follows the first child whatever the target drew",
+        "flashdraft/engine/tree.py",
+        "        child = children.get(node, {}).get(token)",
+        "        child = next(iter(children.get(node, {}).values()), None)",
+        "tests/test_tree.py::test_sampled_tree_decoding_matches_plain_sampling",
+    ),
+    (
+        "the native draft writes the context's keys and values over one slot",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "slot = context ? w.start - c + j % c : w.start + j % w.t;",
+        "slot = context ? w.start - c : w.start + j % w.t;",
+        "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
+    ),
+    (
         "a grown draft starts its optimizer afresh (the moments of the layers it grew from dropped)",
         "flashdraft/train/state.py",
         "    if any(shapes.get(n) != shape for n, shape in saved.items()):",
