@@ -1,4 +1,4 @@
-"""Score drafts on the target's own greedy answers, without the decode loop (flashdraft.bench.acceptance).
+"""Score drafts on the target's own greedy answers, without the decode loop (flashdraft.train.acceptance).
 
     # once: the target's greedy answers to 8 prompts of each evaluation set, 256 new tokens
     python scripts/offline_tau.py --target smollm2-135m-instruct --refs runs/refs.jsonl --make-refs \
@@ -24,16 +24,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from flashdraft.bench.acceptance import (  # noqa: E402
+from flashdraft.models.draft import DFlashDraft  # noqa: E402
+from flashdraft.models.load import load_target  # noqa: E402
+from flashdraft.models.target import resolve_dtype  # noqa: E402
+from flashdraft.train.acceptance import (  # noqa: E402
     greedy_references,
     offline_tau,
     offline_trees,
     read_references,
     write_references,
 )
-from flashdraft.models.draft import DFlashDraft  # noqa: E402
-from flashdraft.models.load import load_target  # noqa: E402
-from flashdraft.models.target import resolve_dtype  # noqa: E402
 from flashdraft.train.data import dataset_prompts  # noqa: E402
 from flashdraft.train.loop import evaluate_tau  # noqa: E402
 

@@ -100,7 +100,7 @@ BUGS = [
     ),
     (
         "the offline walk's context includes the token after the anchor",
-        "flashdraft/bench/acceptance.py",
+        "flashdraft/train/acceptance.py",
         "context = [ids[: p + 1] for p in part.tolist()]",
         "context = [ids[: p + 2] for p in part.tolist()]",
         "tests/test_acceptance.py::test_offline_walk_with_the_context_vocabulary_is_the_real_loop",
@@ -135,7 +135,7 @@ BUGS = [
     ),
     (
         "position acceptance counts the steps that reached position k, not those that accepted it",
-        "flashdraft/bench/acceptance.py",
+        "flashdraft/train/acceptance.py",
         "sum(n > k for n in lengths)",
         "sum(n >= k for n in lengths)",
         "tests/test_acceptance.py::test_offline_walk_is_the_real_loop_step_for_step",
@@ -398,14 +398,14 @@ BUGS = [
     ),
     (
         "the offline walk steps one token at a time",
-        "flashdraft/bench/acceptance.py",
+        "flashdraft/train/acceptance.py",
         "        p += visited[-1]",
         "        p += 1",
         "tests/test_acceptance.py::test_offline_walk_is_the_real_loop_step_for_step",
     ),
     (
         "references ignore the stop ids",
-        "flashdraft/bench/acceptance.py",
+        "flashdraft/train/acceptance.py",
         "max_new_tokens=min(max_new_tokens, target.max_length - len(p)), stop_ids=target.stop_ids",
         "max_new_tokens=min(max_new_tokens, target.max_length - len(p))",
         "tests/test_acceptance.py::test_greedy_references_are_plain_greedy_decoding",
@@ -1438,7 +1438,7 @@ BUGS = [
     ),
     (
         "offline trees: no siblings (every tree a chain)",
-        "flashdraft/bench/acceptance.py",
+        "flashdraft/train/acceptance.py",
         "        if r + 1 < len(probs[d]):  # the next sibling",
         "        if False:  # the next sibling",
         "tests/test_acceptance.py::test_a_tree_from_the_blocks_marginals_is_built_best_first_and_accepts_its_deepest_match",

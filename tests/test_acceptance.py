@@ -1,4 +1,4 @@
-"""The offline acceptance estimate (`flashdraft.bench.acceptance`) against the real decode loop: on the target's
+"""The offline acceptance estimate (`flashdraft.train.acceptance`) against the real decode loop: on the target's
 own greedy output, the anchors it walks and the tokens it commits at each must be the loop's, step for step."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from conftest import make_draft, make_hf_model
 
 from flashdraft import DFlashProposer, Target
-from flashdraft.bench.acceptance import acceptance_lengths, greedy_references, offline_tau, walk
 from flashdraft.engine.decode import GenerationConfig, generate
+from flashdraft.train.acceptance import acceptance_lengths, greedy_references, offline_tau, walk
 from flashdraft.train.loop import evaluate_tau
 
 
@@ -91,7 +91,7 @@ def test_a_tree_from_the_blocks_marginals_is_built_best_first_and_accepts_its_de
     """Marginals of 3 block positions (ranks 0.5 / 0.3 / 0.2, then 0.6 / 0.4, then 0.9 / 0.1): best-first,
     3 nodes give the paths (0), (0, 0) and (1): path probabilities 0.5, 0.3 and 0.3; 4 nodes add (0, 0, 0)
     (0.27) before (0, 1) (0.2). The verify commits the deepest node on the target's own path, plus one."""
-    from flashdraft.bench.acceptance import tree_accepted
+    from flashdraft.train.acceptance import tree_accepted
 
     probs = [[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [0.9, 0.1, 0.0]]
     tokens = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]

@@ -238,7 +238,7 @@ def test_eval_refs_evaluate_by_the_offline_walk_and_are_kept_out_of_training(tmp
     from test_train import VOCAB, write_data
 
     from flashdraft import Target
-    from flashdraft.bench.acceptance import greedy_references, write_references
+    from flashdraft.train.acceptance import greedy_references, write_references
 
     model = make_hf_model("llama", vocab=VOCAB, max_pos=512)
     model.save_pretrained(tmp_path / "target")

@@ -61,7 +61,6 @@ from pathlib import Path
 import torch
 
 from flashdraft import chat
-from flashdraft.bench.acceptance import position_acceptance
 from flashdraft.chat import chat_ids
 from flashdraft.engine.adaptive import TREE_NODES, AdaptiveProposer
 from flashdraft.engine.decode import GenerationConfig, generate
@@ -71,6 +70,7 @@ from flashdraft.engine.sequence import Row
 from flashdraft.models.draft import DFlashDraft, DraftConfig
 from flashdraft.models.export import hf_dflash_assistant
 from flashdraft.models.target import DTYPES, Target, cpu_has_fast_bf16
+from flashdraft.train.acceptance import position_acceptance
 
 # gsm-symbolic-eval: the held-out gsm-symbolic problems (a seed that `gsm-symbolic`, the training
 # side, refuses); ShareGPT's eval split is held out by prompt hash.

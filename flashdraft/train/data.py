@@ -114,7 +114,7 @@ def prepare_data(
     held_out: list[dict] = []
     eval_sets: dict[str, list[list[int]]] = {}
     if cfg.eval_refs:
-        from flashdraft.bench.acceptance import read_references
+        from flashdraft.train.acceptance import read_references
 
         for r in read_references(cfg.eval_refs):
             eval_sets.setdefault(r.get("set", "refs"), []).append(r["prompt_ids"])

@@ -38,13 +38,13 @@ import torch
 from tqdm import tqdm
 
 from flashdraft import chat
-from flashdraft.bench.acceptance import offline_tau, position_acceptance, read_references
 from flashdraft.engine.decode import GenerationConfig, generate
 from flashdraft.engine.proposers import DFlashProposer
 from flashdraft.files import atomic_write, write_json, write_text
 from flashdraft.models.draft import DFlashDraft, DraftError, init_draft_config
 from flashdraft.models.load import load_target, local_dir
 from flashdraft.models.target import Target, TargetError, resolve_dtype
+from flashdraft.train.acceptance import offline_tau, position_acceptance, read_references
 from flashdraft.train.config import (
     CONTINUED_SCHEDULE,
     DTYPES,
@@ -149,7 +149,7 @@ def evaluate_tau(
 ) -> dict:
     """tau of the real decode loop (greedy) on held-out prompts: committed tokens per target forward,
     pooled over all prompts ("tau") and per evaluation set ("tau/<set>"), and the pooled
-    "position_acceptance" (`flashdraft.bench.acceptance.position_acceptance`)."""
+    "position_acceptance" (`flashdraft.train.acceptance.position_acceptance`)."""
     sets = prompts if isinstance(prompts, dict) else {"held-out": prompts}
     proposer = DFlashProposer(draft, target, proposal="greedy")
     out, every, t0 = {}, [], time.perf_counter()
