@@ -833,9 +833,8 @@ class ServeConfig:
     max_batch_size: int = 8
     block_size: int | None = None  # None: the draft's
     proposal: str = "draft"
-    speculation: str = (
-        DEFAULT_SPECULATION  # fixed blocks, trees or the adaptive rule (flashdraft.engine.adaptive)
-    )
+    # fixed blocks, trees or the adaptive rule (flashdraft.engine.adaptive)
+    speculation: str = DEFAULT_SPECULATION
     tree_nodes: int = TREE_NODES  # drafted tokens per tree (speculation "tree")
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu

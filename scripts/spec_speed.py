@@ -3,9 +3,9 @@ with the draft's layers on our kernels in one C++ call and on torch's ops, inter
 
     python scripts/spec_speed.py [--prompts 3] [--new 96] [--chains 3,7] [--trees 3,4,6,8]
 
-Every method decodes every prompt (greedy) before the next prompt starts, the order rotating,
-so the machine's drift hits all alike; EOS is ignored (every prompt decodes --new tokens). Prints a table: decode tokens per second (prefill excluded), the
-speedup over plain decoding, tau (tokens committed per verify forward) and the median draft and verify
+Every method decodes every prompt (greedy) before the next prompt starts, the order rotating, so the
+machine's drift hits all alike; EOS is ignored (every prompt decodes --new tokens). Prints a table: decode
+tokens per second (prefill excluded), the speedup over plain decoding, tau (tokens committed per verify forward) and the median draft and verify
 times of a step. "torch" methods run the same quantized draft with its layers on torch's ops; "adaptive,
 chains only" verifies its cut chains as chains (the default verifies a greedy row's chain of 2 or more as a
 tree of as many tokens).

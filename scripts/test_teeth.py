@@ -24,9 +24,16 @@ BUGS = [
     (
         "a tree node sees its parent but not the ancestors above it",
         "flashdraft/engine/tree.py",
-        "            anc[b, i + 1] |= anc[b, p + 1]",
-        "            anc[b, i + 1, p + 1] = True",
+        "            rows[i + 1] = [a or c for a, c in zip(rows[i + 1], rows[p + 1], strict=True)]",
+        "            rows[i + 1][p + 1] = True",
         "tests/test_tree.py::test_tree_node_logits_equal_the_one_token_steps_of_its_path",
+    ),
+    (
+        "a tree's mask cuts the context's first columns instead of the block's",
+        "flashdraft/engine/tree.py",
+        "        m[..., -anc.shape[-1] :].masked_fill_(~anc[:, None], torch.finfo(m.dtype).min)",
+        "        m[..., : anc.shape[-1]].masked_fill_(~anc[:, None], torch.finfo(m.dtype).min)",
+        "tests/test_tree.py::test_greedy_tree_decoding_equals_plain_decoding_in_float64",
     ),
     (
         "a tree verify leaves the accepted path where it was in the block",

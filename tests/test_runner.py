@@ -476,3 +476,25 @@ def test_the_native_draft_layers_agree_with_the_torch_layers():
     visible = torch.ones(2, 1, 1, caches[0].length + 4 + 6, dtype=torch.bool)
     visible[1, :, :, :5] = False
     call(2, 4, 6, visible)
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@pytest.mark.parametrize("kind", OURS)
+@torch.inference_mode()
+def test_layers_side_by_side_give_their_outputs_and_hold_their_weights_once(kind):
+    """`BlockLinear.side_by_side` (the native draft's fused q / k / v and gate / up): the fused layer's
+    output is the parts' outputs side by side, bit for bit, and the parts keep theirs while their weights
+    become views of the fused layer's."""
+    from flashdraft.models.runner.quant import BlockLinear
+
+    g = torch.Generator().manual_seed(2)
+    parts = [BlockLinear(torch.randn(n, 64, generator=g), None, torch.bfloat16, kind) for n in (32, 16, 40)]
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    want = [p(x) for p in parts]
+    fused = BlockLinear.side_by_side(*parts)
+    assert torch.equal(fused(x), torch.cat(want, -1))
+    for p, w, tile in zip(parts, want, (0, 2, 3), strict=True):
+        assert torch.equal(p(x), w)
+        assert p.packed.data_ptr() == fused.packed[tile].data_ptr()
+    with pytest.raises(ValueError, match="whole tiles"):
+        BlockLinear.side_by_side(parts[2], parts[0])  # 40 outputs: not whole tiles, then more

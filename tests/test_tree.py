@@ -56,17 +56,25 @@ def test_build_takes_the_likeliest_paths():
         assert sorted((paths[r] for r in ranks), reverse=True) == pytest.approx(best)
 
 
-def test_allowed_sees_the_context_ancestors_and_itself():
+def test_a_node_sees_the_context_its_ancestors_and_itself():
     t = Tree([5, 6, 7, 8], [-1, -1, 0, 2])  # slots: 0 anchor, 1 and 2 its children, 3 under 1, 4 under 3
-    allow = tree.allowed([t], 6, 2)[0].int().tolist()
-    assert allow == [
-        [1, 1, 1, 0, 0, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 1, 0, 0, 0],
-        [1, 1, 1, 1, 0, 1, 0, 0],
-        [1, 1, 1, 1, 0, 1, 1, 0],
-        [1, 1, 1, 0, 0, 0, 0, 1],  # padding past the tree hangs from the anchor
+    anc = tree.ancestors([t], 6)
+    assert anc[0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 1, 0],
+        [1, 0, 0, 0, 0, 1],  # padding past the tree hangs from the anchor
     ]
+    # restrict cuts only the block's columns: the 2 context slots keep what positions made them
+    low = torch.finfo(torch.float32).min
+    mask = torch.zeros(1, 1, 6, 8)
+    mask[0, 0, 2, 1] = low  # a context slot a position rule hid
+    for got in (tree.restrict(mask.clone(), anc), tree.restrict({"full": mask.clone()}, anc)["full"]):
+        seen = (got[0, 0] == 0).int().tolist()
+        assert [row[:2] for row in seen] == [[1, 1], [1, 1], [1, 0], [1, 1], [1, 1], [1, 1]]
+        assert [row[2:] for row in seen] == anc[0].int().tolist()
 
 
 # -- a node's logits are the one-token step of its path -------------------------------------------------
@@ -112,7 +120,7 @@ def check_tree_nodes(run, trees: list[Tree]) -> None:
     q_pos = n + depth
     live = torch.arange(width) <= torch.tensor([len(t) for t in trees])[:, None]
     kpos = torch.cat([torch.arange(n).expand(rows, -1), torch.where(live, q_pos, DEAD)], 1)
-    mask = tree.restrict(run.attention_mask(q_pos, kpos), tree.allowed(trees, width, n))
+    mask = tree.restrict(run.attention_mask(q_pos, kpos), tree.ancestors(trees, width))
     verify, _ = run.forward(block, q_pos, cache, attention_mask=mask)
     for b, t in enumerate(trees):
         alone = run.new_cache()

@@ -161,15 +161,14 @@ class Engine:
             if ks[b]:
                 drafts[b, : ks[b]] = p[0].to(device)
         t1 = time.perf_counter()
+        drafts_l = drafts.tolist()
         steps = torch.arange(k_max + 1, device=device)
         anchors = torch.tensor([r.anchor for r in rows], device=device)[:, None]
         tree_step = any(t is not None for t in trees)
         if tree_step:  # every row a tree (a chain is one), so its nodes sit at anchor + depth
-            trees = [t or tree.Tree.chain(drafts[b, : ks[b]].tolist()) for b, t in enumerate(trees)]
-            depth = torch.zeros(len(rows), k_max + 1, dtype=torch.long)
-            for b, t in enumerate(trees):
-                depth[b, 1 : ks[b] + 1] = torch.tensor(t.depths(), dtype=torch.long)
-            q_pos = anchors + depth.to(device)
+            trees = [t or tree.Tree.chain(drafts_l[b][: ks[b]]) for b, t in enumerate(trees)]
+            depth = [[0, *t.depths(), *[0] * (k_max - len(t))] for t in trees]
+            q_pos = anchors + torch.tensor(depth, device=device)
         if self.kpos is None and len(set(ks)) == 1 and not tree_step:
             # aligned: every row's block sits at the same positions, right after the cache
             q_pos = (steps + self.length).expand(len(rows), -1)
@@ -179,7 +178,7 @@ class Engine:
             new_kpos = torch.where(steps <= torch.tensor(ks, device=device)[:, None], q_pos, DEAD)
             mask = self.target.attention_mask(q_pos, torch.cat([self.slot_positions(), new_kpos], 1))
             if tree_step:
-                mask = tree.restrict(mask, tree.allowed(trees, k_max + 1, self.length, device))
+                mask = tree.restrict(mask, tree.ancestors(trees, k_max + 1, device))
         block = torch.cat([torch.tensor([r.tokens[-1] for r in rows], device=device)[:, None], drafts], 1)
         logits, feats = self.target.forward(
             block, q_pos, self.cache, features=self.feature_layers, attention_mask=mask
@@ -199,7 +198,6 @@ class Engine:
                 [r.generator for r in rows],
             )
             paths = [list(range(a)) for a in accepted]
-        drafts_l = drafts.tolist()
         out, n = [], []
         for b, (row, k, path) in enumerate(zip(rows, ks, paths, strict=True)):
             self._count_drafts(k, len(path))
@@ -207,10 +205,9 @@ class Engine:
             row.lengths.append(len(new))
             n.append(len(new))
             out.append(StepOutput(row.request_id, new, row.finished, len(new)))
+        # Each row's accepted path to the front of its block: from there on, as if a chain was verified.
         order = path_order(paths, device) if tree_step else None
-        if (
-            order is not None
-        ):  # each row's accepted path to the front of its block: as if a chain was verified
+        if order is not None:
             reorder_slots(self.cache, self.length, order)
             if feats is not None:
                 feats = feats.gather(1, order[:, :, None].expand(-1, -1, feats.shape[2]))

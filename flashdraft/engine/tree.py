@@ -7,7 +7,7 @@ path's probability is the product of its tokens' marginals), as DDTree builds it
 cost follows the tokens it carries, not their shape, so a tree of N nodes costs what a chain of N costs
 and accepts more (docs/speed.md, "Trees from the block's marginals").
 
-In the verify forward each node sees the committed context, its ancestors and itself (`allowed`), at
+In the verify forward each node sees the committed context, its ancestors and itself (`ancestors`), at
 the position anchor + its depth. Nodes are numbered so that a parent comes before its children, so a
 path's slots are in position order and a node's attention sums run over the same slots, in the same
 order, as a one-token step of its path: its logits equal that step's bitwise where the forward is
@@ -100,24 +100,23 @@ def walk(tree: Tree, next_token: Callable[[int], int]) -> tuple[list[int], int]:
         node = child
 
 
-def allowed(trees: list[Tree], width: int, context: int, device=None) -> torch.Tensor:
-    """(B, width, context + width) bool: which slots each block query may see beyond what positions
-    allow: the `context` slots before the block, and in the block [anchor, nodes] its ancestors and
-    itself. Block slots past a row's tree (padding) hang from the anchor."""
-    anc = torch.zeros(len(trees), width, width, dtype=torch.bool)
-    anc[:, :, 0] = True
-    for b, tree in enumerate(trees):
-        for i in range(width):
-            anc[b, i, i] = True
-        for i, p in enumerate(tree.parents):
-            anc[b, i + 1] |= anc[b, p + 1]
-    before = torch.ones(len(trees), width, context, dtype=torch.bool)
-    return torch.cat([before, anc], 2).to(device)
+def ancestors(trees: list[Tree], width: int, device=None) -> torch.Tensor:
+    """(B, width, width) bool: which slots of the block [anchor, nodes] each block query may see: its
+    ancestors and itself. Slots past a row's tree (padding) hang from the anchor. Built as lists and
+    made a tensor once: 0.28 ms at 16 rows of 9 slots, where a tensor op per slot took 1.34 ms."""
+    out = []
+    for t in trees:
+        rows = [[j == 0 or j == i for j in range(width)] for i in range(width)]
+        for i, p in enumerate(t.parents):  # a parent's row is complete before its children's
+            rows[i + 1] = [a or c for a, c in zip(rows[i + 1], rows[p + 1], strict=True)]
+        out.append(rows)
+    return torch.tensor(out, dtype=torch.bool, device=device)
 
 
-def restrict(mask, allow: torch.Tensor):
-    """Additive attention masks (B, 1, Q, S), or a {layer kind: mask} dict, with the slots outside
-    `allow` (B, Q, S) cut off."""
-    if isinstance(mask, dict):
-        return {kind: restrict(m, allow) for kind, m in mask.items()}
-    return mask.masked_fill(~allow[:, None], torch.finfo(mask.dtype).min)
+def restrict(mask, anc: torch.Tensor):
+    """Additive attention masks (B, 1, Q, S), or a {layer kind: mask} dict, whose last Q slots are the
+    block's: there the slots that are not a query's ancestors (`ancestors`, (B, Q, Q)) are cut off, in
+    place; the context's columns stay as positions made them."""
+    for m in mask.values() if isinstance(mask, dict) else (mask,):
+        m[..., -anc.shape[-1] :].masked_fill_(~anc[:, None], torch.finfo(m.dtype).min)
+    return mask

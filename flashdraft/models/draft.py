@@ -723,9 +723,8 @@ class DFlashDraft(nn.Module):
                     setattr(module, name, BlockLinear(child.weight.detach(), child.bias, dtype, kind))
         q.requires_grad_(False)
         q.head_kind, q._vocab_head = kind, None
-        dtype = self.fc.weight.dtype
-        if native.supports(self, kind, dtype):
-            q.native = native.NativeDraftLayers(self, kind, dtype)
+        if native.supports(self, self.fc.weight.dtype):
+            q.native = native.NativeDraftLayers(q)
         q.save_pretrained = _not_savable  # its weights are no longer the draft's own
         return q
 

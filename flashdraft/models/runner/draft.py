@@ -17,50 +17,44 @@ from flashdraft.models.runner import kernels
 from flashdraft.models.runner.quant import BlockLinear
 
 
-def supports(draft, kind: str, dtype: torch.dtype) -> bool:
+def supports(draft, dtype: torch.dtype) -> bool:
     """Whether `draft_forward` computes this draft's layers: bf16 activations, our kernels built, every
-    layer full attention (no sliding windows)."""
+    layer full attention (no sliding windows), and the projections it fuses whole tiles of 16 outputs."""
+    cfg = draft.config
+    widths = (
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     return (
         kernels.available()
-        and kind in kernels.KINDS
         and dtype == torch.bfloat16
-        and all(t == "full_attention" for t in draft.config.layer_types)
+        and all(t == "full_attention" for t in cfg.layer_types)
+        and all(w % kernels.TILE == 0 for w in widths)
     )
 
 
 class NativeDraftLayers:
-    """The layers of a dense `DFlashDraft`, quantized to `kind` with q / k / v and gate / up fused, as one
-    C++ model; called as the draft's layer loop is (models/draft.py, `DFlashDraft.forward`)."""
+    """The layers of a quantized `DFlashDraft` copy (its linears `BlockLinear`s), q / k / v and gate / up
+    fused, as one C++ model; called as the draft's layer loop is (models/draft.py, `DFlashDraft.forward`).
+    The copy's own linears become views of the fused weights: the weights are held once."""
 
-    def __init__(self, draft, kind: str, dtype: torch.dtype):
-        def linear(*mods) -> BlockLinear:
-            weight = torch.cat([m.weight.detach() for m in mods])
-            return BlockLinear(weight, None, dtype, kind)
-
-        tensors, shapes, self._keep = [], [], []
+    def __init__(self, draft):
+        tensors, shapes = [], []
         for layer in draft.layers:
             a, mlp = layer.self_attn, layer.mlp
-            tensors += [
-                layer.input_layernorm.weight.detach().to(dtype).contiguous(),
-                layer.post_attention_layernorm.weight.detach().to(dtype).contiguous(),
-                a.q_norm.weight.detach().to(dtype).contiguous(),
-                a.k_norm.weight.detach().to(dtype).contiguous(),
-            ]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm)
+            tensors += [n.weight.detach().contiguous() for n in norms]
             for lin in (
-                linear(a.q_proj, a.k_proj, a.v_proj),
-                linear(a.o_proj),
-                linear(mlp.gate_proj, mlp.up_proj),
+                BlockLinear.side_by_side(a.q_proj, a.k_proj, a.v_proj),
+                a.o_proj,
+                BlockLinear.side_by_side(mlp.gate_proj, mlp.up_proj),
+                mlp.down_proj,
             ):
                 tensors += [lin.packed, lin.scales, torch.empty(0)]
-                shapes += [lin.out_features, kernels.KINDS[kind]]
-                self._keep.append(lin)
-            down = linear(mlp.down_proj)
-            tensors += [down.packed, down.scales, torch.empty(0)]
-            shapes += [down.out_features, kernels.KINDS[kind]]
-            self._keep.append(down)
-        self._keep.append(tensors)
+                shapes += [lin.out_features, kernels.KINDS[lin.kind]]
         cfg = draft.config
-        self.kv_heads, self.head_dim, self.dtype = cfg.num_key_value_heads, cfg.head_dim, dtype
+        self.kv_heads, self.head_dim, self.dtype = cfg.num_key_value_heads, cfg.head_dim, draft.fc.dtype
         self.handle = torch.ops.flashdraft.llama_new(
             tensors,
             shapes,

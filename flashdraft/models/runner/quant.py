@@ -154,6 +154,27 @@ class BlockLinear(_Quantized):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
 
+    @classmethod
+    def side_by_side(cls, *parts: BlockLinear) -> BlockLinear:
+        """One layer of these ones' outputs side by side (no biases), theirs becoming views of its buffers,
+        so the weights are held once. The weights are quantized row by row and packed tile by tile, so
+        the parts' tiles side by side are the packing of their weights side by side; each part but the
+        last must fill whole tiles of 16 outputs."""
+        if any(p.out_features % kernels.TILE for p in parts[:-1]) or any(p.bias is not None for p in parts):
+            raise ValueError("only bias-free layers of whole tiles (16 outputs) go side by side")
+        first = parts[0]
+        fused = cls.__new__(cls)
+        _Quantized.__init__(fused, sum(p.out_features for p in parts), None, first.dtype)
+        fused.kind, fused.in_features, fused.dtype = first.kind, first.in_features, first.dtype
+        fused.register_buffer("packed", torch.cat([p.packed for p in parts]))
+        fused.register_buffer("scales", torch.cat([p.scales for p in parts]))
+        at = 0
+        for p in parts:
+            n = p.packed.shape[0]
+            p.packed, p.scales = fused.packed[at : at + n], fused.scales[at : at + n]
+            at += n
+        return fused
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.qgemm(x, self.packed, self.scales, self.out_features, self.kind)
 
