@@ -32,7 +32,7 @@ from flashdraft import (
 from flashdraft.engine.sampling import probs
 from flashdraft.engine.scheduler import PAD_WASTE, prefill_groups
 from flashdraft.engine.sequence import Row
-from flashdraft.engine.slots import DEAD
+from flashdraft.models.masks import DEAD
 
 
 class BatchOracle(Proposer):
@@ -101,16 +101,16 @@ def assert_same_logits(batched: list[torch.Tensor], alone: list[torch.Tensor], w
 def check_caches(dec: Engine) -> None:
     """Every running row's live target slots hold exactly positions 0..anchor-1, once each; the draft's
     live slots plus its pending context cover the same positions."""
-    kpos = dec.slot_positions()
-    assert kpos.shape == (len(dec.rows), dec.length)
+    kpos = dec.batch.slots.positions()
+    assert kpos.shape == (len(dec.rows), dec.batch.slots.length) and dec.batch.rows == len(dec.rows)
     if dec.rows:
-        assert dec.cache.layers[0].keys.shape[:3:2] == kpos.shape
+        assert dec.batch.cache.layers[0].keys.shape[:3:2] == kpos.shape
     for b, row in enumerate(dec.rows):
         live = sorted(p for p in kpos[b].tolist() if p != DEAD)
         assert live == list(range(row.anchor)), (row.request_id, live, row.anchor)
     prop = dec.proposer
     if isinstance(prop, DFlashProposer):
-        kpos = prop.slot_positions()
+        kpos = prop.slots.positions()
         assert kpos.shape[0] == len(prop.pending) == len(dec.rows)
         for b, row in enumerate(dec.rows):
             ctx = prop.pending[b]
@@ -302,7 +302,7 @@ def test_join_midway_and_cancel(tiny_llama):
     for k in ("r0", "r2", "r3", "r5"):
         assert got[k] == want[k] and ended[k] == "length", k
     assert want["r1"][: len(got["r1"])] == got["r1"] and got["r4"] == []
-    assert dec.cache is None and dec.kpos is None and dec.length == 0
+    assert dec.batch.cache is None and dec.batch.slots.aligned and dec.batch.slots.length == 0
 
 
 def test_long_run_compacts_and_stays_exact(tiny_llama):
@@ -333,7 +333,7 @@ def test_long_run_compacts_and_stays_exact(tiny_llama):
             check_caches(dec)
             if dec.rows:
                 longest = max(r.anchor for r in dec.rows)
-                assert dec.length <= longest + max(32, longest // 4) + 8
+                assert dec.batch.slots.length <= longest + max(32, longest // 4) + 8
         for i, c in enumerate(configs):
             assert got[str(i)] == truths[str(i)][: c.max_new_tokens], (type(proposer).__name__, i)
         assert dec.stats["compactions"] > 0

@@ -17,6 +17,7 @@ from flashdraft import (
     generate,
 )
 from flashdraft.engine.sequence import Row
+from flashdraft.models import ops
 from flashdraft.models.draft import default_target_layer_ids
 
 
@@ -157,6 +158,22 @@ def test_save_load_round_trip_is_bit_identical(tmp_path, llama):
     assert set(saved["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
     assert sorted(load_file(str(tmp_path / "a" / "model.safetensors"))) == sorted(d.state_dict())
     assert not any("embed" in k or "lm_head" in k for k in d.state_dict())
+
+
+def test_a_bfloat16_draft_keeps_its_rope_frequencies_in_float32(tmp_path, llama):
+    """`.to(bfloat16)` and loading in bf16 leave RoPE's frequencies as training computed them: rounded to
+    8 bits they turned the angle between a query and a key 300 positions apart by up to 0.4 radians."""
+    ref = make_draft(llama, dtype=torch.float32)
+    ref.save_pretrained(tmp_path / "d")
+    for d in (
+        make_draft(llama, dtype=torch.bfloat16),
+        DFlashDraft.from_pretrained(tmp_path / "d", dtype=torch.bfloat16),
+    ):
+        assert d.inv_freq.dtype == torch.float32 and torch.equal(d.inv_freq, ref.inv_freq)
+        pos = torch.arange(600, 620)[None]
+        want = ops.rope_tables(pos, ref.inv_freq, ref.rope_scale, torch.float32)
+        got = ops.rope_tables(pos, d.inv_freq, d.rope_scale, torch.float32)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_config_json_round_trip():

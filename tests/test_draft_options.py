@@ -8,6 +8,7 @@ import torch
 from conftest import DRAFT_OPTIONS, make_draft, make_hf_model
 
 from flashdraft import DFlashDraft, Target
+from flashdraft.models import masks
 from flashdraft.train import loss as TL
 
 VOCAB, MASK, B = 128, 3, 4
@@ -26,7 +27,7 @@ def test_block_layout_equals_dense_mask_with_each_option(target, option):
     anchors = [torch.tensor([5, 6, 11, 20, 23]), torch.tensor([7, 9])]
     fast = TL.build_batch(seqs, anchors, B, MASK, 4.0)
     dense = TL.build_batch(seqs, anchors, B, MASK, 4.0)
-    dense.mask = TL.build_mask(dense.anchors, dense.ids.shape[1], B)
+    dense.mask = masks.training_blocks(dense.anchors, dense.ids.shape[1], B)
     with torch.no_grad():
         a = TL.draft_hidden(draft, target, fast, torch.float64)
         b = TL.draft_hidden(draft, target, dense, torch.float64)

@@ -101,6 +101,10 @@ EXEMPT = {
     "# sitting 22 (machine alone, 2 threads: 20 minutes of datagen, 75 of training)": (
         "20 minutes of datagen and a 75-minute sitting of the training campaign"
     ),
+    "# sitting 23 (the data of sitting 22, no new datagen)": "an 80-minute sitting of the training campaign",
+    "proposals = proposer.propose(rows, ks)                    # chains, or trees, after each row's anchor": (
+        "the engine's step in outline (docs/design.md), not a program"
+    ),
     "SET=budget scripts/recipes.sh DATA runs/recipes-budget 30   # DATA: the eight files above, comma-separated": (
         "eight 30-minute training runs and their table"
     ),

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, Target
 from flashdraft.engine.sequence import Row
+from flashdraft.models import masks
 from flashdraft.train import config as TC
 from flashdraft.train import data as TD
 from flashdraft.train import loop as T
@@ -65,7 +66,7 @@ def _padded(anchors):
 
 def pitfall_le_anchor(anchors, ctx_len, block_size):
     """`<= anchor`: the block also sees the anchor position's own target features."""
-    m = TL.build_mask(_padded(anchors), ctx_len, block_size).clone()
+    m = masks.training_blocks(_padded(anchors), ctx_len, block_size).clone()
     a = _padded(anchors).repeat_interleave(block_size, dim=1)
     m[..., :ctx_len] = (torch.arange(ctx_len)[None, None] <= a[..., None]) & (a[..., None] >= 0)
     return m
@@ -73,7 +74,7 @@ def pitfall_le_anchor(anchors, ctx_len, block_size):
 
 def pitfall_ctx_by_block_index(anchors, ctx_len, block_size):
     """Context visibility decided by the block's index (as if blocks tiled the sequence), not its anchor."""
-    m = TL.build_mask(_padded(anchors), ctx_len, block_size).clone()
+    m = masks.training_blocks(_padded(anchors), ctx_len, block_size).clone()
     a = _padded(anchors)
     start = (torch.arange(a.shape[1]) * block_size)[None].expand_as(a)
     start = torch.where(a >= 0, start, torch.full_like(a, -1)).repeat_interleave(block_size, dim=1)
@@ -83,7 +84,7 @@ def pitfall_ctx_by_block_index(anchors, ctx_len, block_size):
 
 def pitfall_blocks_see_earlier(anchors, ctx_len, block_size):
     """Cross-block visibility by block index: a block also attends to the blocks listed before it."""
-    m = TL.build_mask(_padded(anchors), ctx_len, block_size).clone()
+    m = masks.training_blocks(_padded(anchors), ctx_len, block_size).clone()
     a = _padded(anchors).repeat_interleave(block_size, dim=1)
     slot = torch.arange(a.shape[1]) // block_size
     real = a >= 0
@@ -99,17 +100,17 @@ ANCHOR_SETS = [[[5, 6, 13, 20]], [[2, 9], [4, 5, 6, 15, 16]], [[0, 11, 12]]]  # 
 def test_mask_matches_brute_force_and_pitfalls_do_not(anchors):
     ctx_len = 24
     ref = reference_mask(anchors, ctx_len, B)
-    assert torch.equal(TL.build_mask(_padded(anchors), ctx_len, B), ref)
+    assert torch.equal(masks.training_blocks(_padded(anchors), ctx_len, B), ref)
     for pitfall in PITFALLS:
         assert not torch.equal(pitfall(anchors, ctx_len, B), ref), pitfall.__name__
 
 
 def test_padding_rows_are_made_safe_and_nothing_else_changes():
     anchors = [[2, 9], [4, 5, 6]]
-    m = TL.build_mask(_padded(anchors), 20, B)
+    m = masks.training_blocks(_padded(anchors), 20, B)
     pad_rows = ~m.any(-1)
     assert int(pad_rows.sum()) == B  # one padding block in sequence 0
-    safe = TL.make_rows_safe(m, 20)
+    safe = masks.rows_safe(m, 20)
     assert safe.any(-1).all()
     assert torch.equal(safe[~pad_rows], m[~pad_rows])
     rows = pad_rows.nonzero()
@@ -661,7 +662,7 @@ def test_block_layout_equals_dense_mask_on_a_padded_batch(tiny):
     anchors = [torch.tensor([5, 6, 11, 20, 23]), torch.tensor([7, 9])]
     fast = TL.build_batch(seqs, anchors, B, MASK, 4.0)
     dense = TL.build_batch(seqs, anchors, B, MASK, 4.0)
-    dense.mask = TL.build_mask(dense.anchors, dense.ids.shape[1], B)
+    dense.mask = masks.training_blocks(dense.anchors, dense.ids.shape[1], B)
     with torch.no_grad():
         a = TL.draft_hidden(draft, target, fast, torch.float64)
         b = TL.draft_hidden(draft, target, dense, torch.float64)

@@ -18,13 +18,14 @@ from test_runner import EXACT, smol_shaped
 from test_runner_gemma import gemma_270m_shaped
 from test_sampling import N_SAMPLES, MarkovTarget, V, chi2_pvalue, sample_joint
 
-import flashdraft.engine.engine as engine_module
 import flashdraft.engine.sampling as sampling
+import flashdraft.models.batch as batch_module
 from flashdraft import DFlashProposer, Engine, GenerationConfig, Proposer, SamplingConfig, generate
 from flashdraft.engine import tree
 from flashdraft.engine.sampling import probs
-from flashdraft.engine.slots import DEAD
 from flashdraft.engine.tree import Tree
+from flashdraft.models import masks
+from flashdraft.models.masks import DEAD
 
 DEFAULT = EXACT[-1]  # the built-in target's weights where our kernels build (Q4_1 layers, Q8_0 head)
 
@@ -58,7 +59,7 @@ def test_build_takes_the_likeliest_paths():
 
 def test_a_node_sees_the_context_its_ancestors_and_itself():
     t = Tree([5, 6, 7, 8], [-1, -1, 0, 2])  # slots: 0 anchor, 1 and 2 its children, 3 under 1, 4 under 3
-    anc = tree.ancestors([t], 6)
+    anc = masks.tree_ancestors([t.parents], 6)
     assert anc[0].int().tolist() == [
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -67,11 +68,14 @@ def test_a_node_sees_the_context_its_ancestors_and_itself():
         [1, 1, 0, 1, 1, 0],
         [1, 0, 0, 0, 0, 1],  # padding past the tree hangs from the anchor
     ]
-    # restrict cuts only the block's columns: the 2 context slots keep what positions made them
+    # restrict_to_tree cuts only the block's columns: the 2 context slots keep what positions made them
     low = torch.finfo(torch.float32).min
     mask = torch.zeros(1, 1, 6, 8)
     mask[0, 0, 2, 1] = low  # a context slot a position rule hid
-    for got in (tree.restrict(mask.clone(), anc), tree.restrict({"full": mask.clone()}, anc)["full"]):
+    for got in (
+        masks.restrict_to_tree(mask.clone(), anc),
+        masks.restrict_to_tree({"full": mask.clone()}, anc)["full"],
+    ):
         seen = (got[0, 0] == 0).int().tolist()
         assert [row[:2] for row in seen] == [[1, 1], [1, 1], [1, 0], [1, 1], [1, 1], [1, 1]]
         assert [row[2:] for row in seen] == anc[0].int().tolist()
@@ -120,7 +124,9 @@ def check_tree_nodes(run, trees: list[Tree]) -> None:
     q_pos = n + depth
     live = torch.arange(width) <= torch.tensor([len(t) for t in trees])[:, None]
     kpos = torch.cat([torch.arange(n).expand(rows, -1), torch.where(live, q_pos, DEAD)], 1)
-    mask = tree.restrict(run.attention_mask(q_pos, kpos), tree.ancestors(trees, width))
+    mask = masks.restrict_to_tree(
+        run.attention_mask(q_pos, kpos), masks.tree_ancestors([t.parents for t in trees], width)
+    )
     verify, _ = run.forward(block, q_pos, cache, attention_mask=mask)
     for b, t in enumerate(trees):
         alone = run.new_cache()
@@ -188,14 +194,14 @@ def test_greedy_tree_decoding_equals_plain_decoding_in_float64(arch, monkeypatch
     configs = [GenerationConfig(rng.randint(4, 24)) for _ in prompts]
     want = [generate(target, p, None, c).tokens for p, c in zip(prompts, configs, strict=True)]
     moved = []  # per tree step: whether an accepted path had to move to the front of its block
-    real = engine_module.path_order
+    real = batch_module.path_order
 
     def path_order(*args):
         order = real(*args)
         moved.append(order is not None)
         return order
 
-    monkeypatch.setattr(engine_module, "path_order", path_order)
+    monkeypatch.setattr(batch_module, "path_order", path_order)
     draft = make_draft(model)
     for name in ("dflash", "oracle"):
         for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):

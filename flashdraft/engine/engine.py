@@ -7,10 +7,16 @@ committed. Rows (requests, `flashdraft.engine.sequence.Row`) join between steps 
 they stop, reach their length or are cancelled. With no proposer, or B = 1, every step verifies the
 anchor alone: plain decoding, through the same code. `decode.generate` is this engine at batch 1.
 
-Rows of different lengths share one cache through per-slot positions (`flashdraft.engine.slots`): then every
-forward needs an explicit attention mask. While the rows are aligned (every row's slot i holds its
-position i, always so at batch 1) the engine keeps no slot positions, passes no mask and pays nothing
-for batching; the positions are materialised the first time the rows stop being aligned.
+The target's cache, its slots and masks belong to the target's batch state (`flashdraft.models.batch`,
+`BatchState`): the engine prefills, verifies, commits and keeps rows through it and never touches a
+cache. So the whole step reads:
+
+    proposals = proposer.propose(rows, ks)               # chains or trees after each row's anchor
+    logits, feats = batch.verify(block, anchors, ks, trees)
+    paths, bonus = verify_trees / verify_block(logits)   # the target's own tokens, exactly
+    rows commit their accepted drafts and the bonus
+    feats = batch.commit(n, paths, feats)                # the accepted path's slots kept, the rest cut
+    proposer.accept(feats, n)
 """
 
 from __future__ import annotations
@@ -26,17 +32,7 @@ from flashdraft.engine.proposers import Proposer
 from flashdraft.engine.sampling import SamplingConfig, next_token, verify_block, verify_trees
 from flashdraft.engine.scheduler import Scheduler, prefill_groups
 from flashdraft.engine.sequence import GenerationConfig, Row, check_prompt, prompt_tensor
-from flashdraft.engine.slots import (
-    DEAD,
-    gather_slots,
-    live_order,
-    map_target_cache,
-    pad_kpos,
-    pad_slots,
-    path_order,
-    reorder_slots,
-    worth_compacting,
-)
+from flashdraft.models.batch import BatchState, TargetBatch
 from flashdraft.models.target import Target
 
 
@@ -76,9 +72,7 @@ class Engine:
         self.target, self.proposer = target, proposer
         self.feature_layers = proposer.feature_layers if proposer is not None else None
         self.rows: list[Row] = []  # running, in batch order
-        self.cache = None
-        self.length = 0  # slots in the cache
-        self.kpos: torch.Tensor | None = None  # (B, length) slot positions; None while the rows are aligned
+        self.batch: BatchState = TargetBatch(target, self.feature_layers)  # their cache, slots and masks
         self.stats = {
             "verify_steps": 0,  # per-row verify forwards
             "committed": 0,  # tokens committed by verify steps
@@ -121,12 +115,6 @@ class Engine:
     def max_batch_size(self) -> int:
         return self.scheduler.max_batch_size
 
-    def slot_positions(self) -> torch.Tensor:
-        """(B, S): the position every slot of the cache holds for its row (DEAD: nothing)."""
-        if self.kpos is not None:
-            return self.kpos
-        return torch.arange(self.length, device=self.target.device).expand(len(self.rows), -1)
-
     def pending(self) -> int:
         """Rows running plus rows waiting to join."""
         return self.scheduler.pending()
@@ -162,29 +150,14 @@ class Engine:
                 drafts[b, : ks[b]] = p[0].to(device)
         t1 = time.perf_counter()
         drafts_l = drafts.tolist()
-        steps = torch.arange(k_max + 1, device=device)
-        anchors = torch.tensor([r.anchor for r in rows], device=device)[:, None]
-        tree_step = any(t is not None for t in trees)
-        if tree_step:  # every row a tree (a chain is one), so its nodes sit at anchor + depth
+        if any(t is not None for t in trees):  # every row a tree (a chain is one)
             trees = [t or tree.Tree.chain(drafts_l[b][: ks[b]]) for b, t in enumerate(trees)]
-            depth = [[0, *t.depths(), *[0] * (k_max - len(t))] for t in trees]
-            q_pos = anchors + torch.tensor(depth, device=device)
-        if self.kpos is None and len(set(ks)) == 1 and not tree_step:
-            # aligned: every row's block sits at the same positions, right after the cache
-            q_pos = (steps + self.length).expand(len(rows), -1)
-            new_kpos, mask = q_pos, None
         else:
-            q_pos = q_pos if tree_step else anchors + steps
-            new_kpos = torch.where(steps <= torch.tensor(ks, device=device)[:, None], q_pos, DEAD)
-            mask = self.target.attention_mask(q_pos, torch.cat([self.slot_positions(), new_kpos], 1))
-            if tree_step:
-                mask = tree.restrict(mask, tree.ancestors(trees, k_max + 1, device))
+            trees = None
         block = torch.cat([torch.tensor([r.tokens[-1] for r in rows], device=device)[:, None], drafts], 1)
-        logits, feats = self.target.forward(
-            block, q_pos, self.cache, features=self.feature_layers, attention_mask=mask
-        )
+        logits, feats = self.batch.verify(block, [r.anchor for r in rows], ks, trees)
         t2 = time.perf_counter()
-        if tree_step:
+        if trees is not None:
             paths, bonus = verify_trees(
                 logits, trees, [r.sampling for r in rows], [r.generator for r in rows]
             )
@@ -205,23 +178,8 @@ class Engine:
             row.lengths.append(len(new))
             n.append(len(new))
             out.append(StepOutput(row.request_id, new, row.finished, len(new)))
-        # Each row's accepted path to the front of its block: from there on, as if a chain was verified.
-        order = path_order(paths, device) if tree_step else None
-        if order is not None:
-            reorder_slots(self.cache, self.length, order)
-            if feats is not None:
-                feats = feats.gather(1, order[:, :, None].expand(-1, -1, feats.shape[2]))
-        if tree_step:
-            new_kpos = anchors + steps  # slots past a row's n are cut below
-        # The cache keeps each row's anchor and accepted drafts (its first n slots of the block);
-        # slots that no row kept are cut off right away.
-        if self.kpos is None and len(set(n)) == 1:  # every row kept its first n slots: still aligned
-            self.length += n[0]
-        else:
-            kept = torch.where(steps < torch.tensor(n, device=device)[:, None], new_kpos, DEAD)
-            self.kpos = torch.cat([self.slot_positions(), kept[:, : max(n)]], 1)
-            self.length = self.kpos.shape[1]
-        self.target.crop(self.cache, self.length)
+        # Each row keeps its anchor and accepted drafts (a tree's path moved to the block's front).
+        feats = self.batch.commit(n, paths if trees is not None else None, feats)
         if self.proposer is not None:
             self.proposer.accept(feats, n)
             if proposed:
@@ -254,80 +212,32 @@ class Engine:
     # -- rows join and leave ------------------------------------------------------------------------
 
     def _keep(self, index: list[int]) -> None:
-        """Only these rows stay in the batch and its caches; compact when dead slots pile up."""
-        if not index:  # the batch is empty: the next row starts on a fresh cache, aligned
-            self.rows, self.cache, self.kpos, self.length = [], None, None, 0
-            if self.proposer is not None:
-                self.proposer.keep([])
-            return
-        if len(index) < len(self.rows):
-            idx = torch.tensor(index, dtype=torch.long, device=self.target.device)
+        """Only these rows stay in the batch and its caches."""
+        if len(index) < len(self.rows) or not index:
             self.rows = [self.rows[i] for i in index]
-            if self.kpos is not None:
-                self.kpos = self.kpos[idx]
-            map_target_cache(self.cache, lambda t: t[idx])
             if self.proposer is not None:
                 self.proposer.keep(index)
-        if self.kpos is not None and worth_compacting(self.kpos):
-            order, n_live = live_order(self.kpos)
-            map_target_cache(self.cache, lambda t: gather_slots(t, order))
-            self.kpos = self.kpos.gather(1, order)
-            self.length = n_live
-            self.stats["compactions"] += 1
+        self.stats["compactions"] += self.batch.keep(index)
 
     def _prefill(self, rows: list[Row]) -> list[StepOutput]:
-        """One forward over the newcomers' prompts (left-padded, so the last logits are every row's
-        last token) on a cache of their own, then merged into the batch's cache."""
+        """One forward over the newcomers' prompts on a batch of their own, then joined to the running
+        batch (the rows that did not finish at their first token)."""
         t0 = time.perf_counter()
-        device = self.target.device
-        lens = torch.tensor([len(r.prompt) for r in rows], device=device)
-        p_len = int(lens.max())
-        same = len({len(r.prompt) for r in rows}) == 1
-        ids = torch.zeros(len(rows), p_len, dtype=torch.long, device=device)
-        for b, r in enumerate(rows):
-            ids[b, p_len - len(r.prompt) :] = torch.tensor(r.prompt, device=device)
-        pos = torch.arange(p_len, device=device) - (p_len - lens)[:, None]  # padding: negative positions
-        kpos = torch.where(pos >= 0, pos, DEAD)
-        cache = self.target.new_cache(sliding=False)
-        logits, feats = self.target.forward(
-            ids,
-            pos.clamp_min(0),
-            cache,
-            logits_to_keep=1,
-            features=self.feature_layers,
-            attention_mask=None if same else self.target.attention_mask(pos.clamp_min(0), kpos),
-        )
+        logits, feats, joining = self.batch.prefill([r.prompt for r in rows])
         if self.proposer is not None:
-            self.proposer.timed(ids.numel(), time.perf_counter() - t0)
+            self.proposer.timed(len(rows) * max(len(r.prompt) for r in rows), time.perf_counter() - t0)
         out = []
         for b, r in enumerate(rows):
-            first = int(next_token(logits[b, -1], r.sampling, r.generator))
+            first = int(next_token(logits[b], r.sampling, r.generator))
             out.append(StepOutput(r.request_id, r.commit([first]), r.finished, None))
         now = time.perf_counter()
         for r in rows:
             r.prefill_s, r.started, r.ended = now - t0, now, now
         self.stats["prefills"] += 1
         stay = [b for b, r in enumerate(rows) if r.finished is None]
-        if not stay:
-            return out
-        if len(stay) < len(rows):
-            idx = torch.tensor(stay, dtype=torch.long, device=device)
-            kpos = kpos[idx]
-            map_target_cache(cache, lambda t: t[idx])
-        if self.cache is None:
-            self.cache, self.kpos, self.length = cache, None if same else kpos, p_len
-        else:
-            length = max(self.length, p_len)
-            for mine, new in zip(self.cache.layers, cache.layers, strict=True):
-                mine.keys = torch.cat([pad_slots(mine.keys, length), pad_slots(new.keys, length)])
-                mine.values = torch.cat([pad_slots(mine.values, length), pad_slots(new.values, length)])
-            self.kpos = torch.cat([pad_kpos(self.slot_positions(), length), pad_kpos(kpos, length)])
-            self.length = length
+        self.batch.join(joining, stay)
         joined = [rows[b] for b in stay]
         self.rows += joined
-        if self.proposer is not None:
-            self.proposer.join(
-                joined,
-                [feats[b, p_len - len(rows[b].prompt) :] for b in stay] if self.feature_layers else None,
-            )
+        if self.proposer is not None and joined:
+            self.proposer.join(joined, [feats[b] for b in stay] if self.feature_layers else None)
         return out

@@ -32,7 +32,8 @@ import torch
 from flashdraft.engine import tree
 from flashdraft.engine.sampling import argmax, probs, sample
 from flashdraft.engine.sequence import Row
-from flashdraft.engine.slots import DEAD, gather_slots, live_order, map_draft_cache, worth_compacting
+from flashdraft.models import masks
+from flashdraft.models.batch import Slots, gather_slots
 from flashdraft.models.draft import DFlashDraft
 from flashdraft.models.target import Target
 
@@ -155,8 +156,8 @@ class DFlashProposer(Proposer):
     Each row's new context (its prompt's features after the prefill, then the committed tokens of each
     verify) waits in `pending` until the next draft call writes it into the draft's context cache.
     While the rows are aligned (same positions in every slot: always so at batch 1) the call needs no
-    mask and no slot positions are kept. Otherwise context is padded to the longest row with dead slots (`flashdraft.engine.slots`) and blocks
-    are as long as the longest row's, a row's extra block slots dead for it, so every row's drafts are
+    mask and no slot positions are kept. Otherwise context is padded to the longest row with dead slots
+    (`flashdraft.models.batch.Slots`, the bookkeeping of the target's batch) and blocks are as long as the longest row's, a row's extra block slots dead for it, so every row's drafts are
     the ones it would get alone. Sliding-window draft layers see a window counted in positions.
 
     With sampling, `proposal="draft"` samples each block position from the draft's own (warped)
@@ -206,9 +207,7 @@ class DFlashProposer(Proposer):
     def reset(self):
         self._context = {}
         self.cache = self.draft.new_cache()
-        self.kpos: torch.Tensor | None = (
-            None  # (B, S) slot positions; None while every slot i holds position i
-        )
+        self.slots = Slots(device=self.target.device)  # the positions the context cache's slots hold
         self.pending: list[Context] = []  # per row: the context the draft has not read yet
         self.aligned = True  # also the pending context: every row's starts at the same position, same length
 
@@ -225,22 +224,16 @@ class DFlashProposer(Proposer):
         self._context = kept
         return [torch.tensor(sorted(kept[r.request_id][1]), dtype=torch.long) for r in rows]
 
-    def slot_positions(self) -> torch.Tensor:
-        """(B, S): the position every slot of the draft's context cache holds for its row (DEAD: nothing)."""
-        if self.kpos is not None:
-            return self.kpos
-        return torch.arange(self.cache.length, device=self.target.device).expand(len(self.pending), -1)
-
     def join(self, rows, features):
         if not self.pending:  # an empty batch starts over, aligned
             self.reset()
             self.aligned = len({f.shape[0] for f in features}) == 1
             self.pending = [Context(0, [f]) for f in features]
+            self.slots.rows = len(features)
             return
-        n, length = len(rows), self.cache.length
-        map_draft_cache(self.cache, lambda t: torch.cat([t, t.new_zeros(n, *t.shape[1:])]))
-        kpos = self.slot_positions()
-        self.kpos = torch.cat([kpos, kpos.new_full((n, length), DEAD)])
+        n = len(rows)
+        self.cache.map(lambda t: torch.cat([t, t.new_zeros(n, *t.shape[1:])]))
+        self.slots.join(Slots(n, device=self.target.device))
         self.pending += [Context(0, [f]) for f in features]
         self.aligned = False
 
@@ -254,9 +247,8 @@ class DFlashProposer(Proposer):
             self.reset()
             return
         idx = torch.tensor(index, dtype=torch.long, device=self.target.device)
-        map_draft_cache(self.cache, lambda t: t[idx])
-        if self.kpos is not None:
-            self.kpos = self.kpos[idx]
+        self.cache.map(lambda t: t[idx])
+        self.slots.keep(idx)
         self.pending = [self.pending[i] for i in index]
 
     def accept(self, features, n):
@@ -275,10 +267,10 @@ class DFlashProposer(Proposer):
         if self.tree:  # a tree is never deeper than its budget
             ks = [min(k, self.tree) for k in ks]
         device, n_rows, k_max = self.target.device, len(rows), max(ks)
-        if self.kpos is not None and worth_compacting(self.kpos):
-            order, n_live = live_order(self.kpos)
-            map_draft_cache(self.cache, lambda t: gather_slots(t, order))
-            self.kpos, self.cache.length = self.kpos.gather(1, order), n_live
+        order = self.slots.compaction()
+        if order is not None:
+            self.cache.map(lambda t: gather_slots(t, order))
+            self.cache.length = self.slots.length
             self.compactions += 1
         # New context, padded to the longest row; its positions continue where each row's cache ends.
         feats = [c.features() for c in self.pending]
@@ -305,20 +297,23 @@ class DFlashProposer(Proposer):
             pos = torch.arange(start, start + c_len + k_max + 1, device=device).expand(n_rows, -1)
             ctx_pos, blk_pos, mask = pos[:, :c_len], pos[:, c_len:], None
         else:
-            c_steps = torch.arange(c_len, device=device)
-            ctx_pos = torch.tensor([c.start for c in self.pending], device=device)[:, None] + c_steps
-            ctx_kpos = torch.where(c_steps < torch.tensor(lens, device=device)[:, None], ctx_pos, DEAD)
-            steps = torch.arange(k_max + 1, device=device)
-            blk_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + steps
-            blk_kpos = torch.where(steps <= torch.tensor(ks, device=device)[:, None], blk_pos, DEAD)
-            kpos = torch.cat([self.slot_positions(), ctx_kpos, blk_kpos], 1)
-            mask = (kpos != DEAD)[:, None, None, :]  # inference attends everywhere it may
-            if self.window is not None:
-                diff = blk_pos[:, None, :, None] - kpos[:, None, None, :]
-                mask = {"full_attention": mask, "sliding_attention": (diff >= 0) & (diff < self.window)}
+            ctx_pos = torch.tensor([c.start for c in self.pending], device=device)[:, None] + torch.arange(
+                c_len, device=device
+            )
+            blk_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + torch.arange(
+                k_max + 1, device=device
+            )
+            # what the call's keys will hold: the cache, the new context, the block (slots past k dead)
+            slots = Slots(n_rows, self.slots.length, self.slots.kpos, device)
+            slots.advance(lens, ctx_pos)
+            slots.advance([k + 1 for k in ks], blk_pos)
+            mask = masks.draft_visibility(slots.positions(), blk_pos, self.window)
         hidden = self.draft(embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask)
-        if not self.aligned:  # aligned context stays aligned in the cache, whatever the block's mask was
-            self.kpos = kpos[:, : self.cache.length]
+        if self.aligned:  # aligned context stays aligned in the cache, whatever the block's mask was
+            self.slots.length += c_len
+        else:  # from here on every slot's position is kept
+            self.slots.kpos = self.slots.positions().contiguous()
+            self.slots.advance(lens, ctx_pos)
         self.pending = [Context(r.anchor) for r in rows]  # next: the committed tokens
         context = self._contexts(rows) if self.context_vocab else None
         logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head, context)

@@ -7,15 +7,15 @@ path's probability is the product of its tokens' marginals), as DDTree builds it
 cost follows the tokens it carries, not their shape, so a tree of N nodes costs what a chain of N costs
 and accepts more (docs/speed.md, "Trees from the block's marginals").
 
-In the verify forward each node sees the committed context, its ancestors and itself (`ancestors`), at
-the position anchor + its depth. Nodes are numbered so that a parent comes before its children, so a
-path's slots are in position order and a node's attention sums run over the same slots, in the same
+In the verify forward each node sees the committed context, its ancestors and itself
+(`flashdraft.models.masks.tree_ancestors`), at the position anchor + its depth. Nodes are numbered so
+that a parent comes before its children, so a path's slots are in position order and a node's attention sums run over the same slots, in the same
 order, as a one-token step of its path: its logits equal that step's bitwise where the forward is
 batch-invariant. The verify then walks the tree (`walk`): at each node the target's own next token
 (its argmax, or a sample from exactly plain sampling's distribution), down to the child that carries
 it, so every emitted token is the one plain decoding would emit; the token no child carries is the
-bonus. The engine moves the accepted path's keys and values to the front of the block, after which the
-cache is as if a chain had been verified.
+bonus. The target's batch moves the accepted path's keys and values to the front of the block
+(`flashdraft.models.batch`), after which the cache is as if a chain had been verified.
 """
 
 from __future__ import annotations
@@ -98,25 +98,3 @@ def walk(tree: Tree, next_token: Callable[[int], int]) -> tuple[list[int], int]:
             return path, token
         path.append(child)
         node = child
-
-
-def ancestors(trees: list[Tree], width: int, device=None) -> torch.Tensor:
-    """(B, width, width) bool: which slots of the block [anchor, nodes] each block query may see: its
-    ancestors and itself. Slots past a row's tree (padding) hang from the anchor. Built as lists and
-    made a tensor once: 0.28 ms at 16 rows of 9 slots, where a tensor op per slot took 1.34 ms."""
-    out = []
-    for t in trees:
-        rows = [[j == 0 or j == i for j in range(width)] for i in range(width)]
-        for i, p in enumerate(t.parents):  # a parent's row is complete before its children's
-            rows[i + 1] = [a or c for a, c in zip(rows[i + 1], rows[p + 1], strict=True)]
-        out.append(rows)
-    return torch.tensor(out, dtype=torch.bool, device=device)
-
-
-def restrict(mask, anc: torch.Tensor):
-    """Additive attention masks (B, 1, Q, S), or a {layer kind: mask} dict, whose last Q slots are the
-    block's: there the slots that are not a query's ancestors (`ancestors`, (B, Q, Q)) are cut off, in
-    place; the context's columns stay as positions made them."""
-    for m in mask.values() if isinstance(mask, dict) else (mask,):
-        m[..., -anc.shape[-1] :].masked_fill_(~anc[:, None], torch.finfo(m.dtype).min)
-    return mask

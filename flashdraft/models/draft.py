@@ -25,6 +25,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from flashdraft.files import atomic_write
+from flashdraft.models import masks
+from flashdraft.models.ops import rms_norm, rope_tables, rotate
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -248,20 +250,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, D); cos/sin: (B, T, D)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+        return rms_norm(x, self.weight, self.eps, float64=True)
 
 
 class KVCache:
@@ -305,6 +294,14 @@ class KVCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def map(self, fn) -> None:
+        """Apply fn to the committed part of every layer (the buffer then holds just that): keep some
+        rows, gather slots, append rows (`flashdraft.models.batch.Slots` says which)."""
+        for i, k in enumerate(self.k):
+            if k is not None:
+                self.k[i] = fn(k[:, :, : self.length])
+                self.v[i] = fn(self.v[i][:, :, : self.length])
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig, layer_idx: int):
@@ -332,14 +329,13 @@ class Attention(nn.Module):
     ):
         bsz, q_len, _ = x.shape
         c_len = ctx.shape[1]
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)).transpose(1, 2), *rope_x)
+        q = rotate(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), *rope_x).transpose(1, 2)
         # One projection over [context ; block] (the same k_proj/v_proj/k_norm serve both parts).
         kv_in = torch.cat([ctx, x], dim=1) if c_len else x
-        k = self.k_norm(self._heads(self.k_proj(kv_in), self.n_kv)).transpose(1, 2)
-        v = self._heads(self.v_proj(kv_in), self.n_kv).transpose(1, 2)
         cos = torch.cat([rope_ctx[0], rope_x[0]], dim=1) if c_len else rope_x[0]
         sin = torch.cat([rope_ctx[1], rope_x[1]], dim=1) if c_len else rope_x[1]
-        k = apply_rope(k, cos, sin)
+        k = rotate(self.k_norm(self._heads(self.k_proj(kv_in), self.n_kv)), cos, sin).transpose(1, 2)
+        v = self._heads(self.v_proj(kv_in), self.n_kv).transpose(1, 2)
         if cache is not None:
             k, v = cache.extend(self.layer_idx, k, v)
         if isinstance(mask, dict):  # batched inference: one mask per layer type
@@ -347,10 +343,9 @@ class Attention(nn.Module):
         if blocks:
             out = block_attention(q, k, v, c_len, mask, blocks, self.head_dim**-0.5)
             return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
-        if self.window is not None and mask is None:
-            qi = torch.arange(q_len, device=x.device)[:, None] + (k.shape[2] - q_len)
-            ki = torch.arange(k.shape[2], device=x.device)[None, :]
-            mask = ((ki <= qi) & (qi - ki < self.window))[None, None]
+        if self.window is not None and mask is None:  # aligned: the block's queries are the last keys
+            ki = torch.arange(k.shape[2], device=x.device)[None]
+            mask = masks.visible(ki[:, -q_len:], ki, self.window)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=self.n_kv != self.n_heads
         )
@@ -438,7 +433,11 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-        self.rotary = Qwen3RotaryEmbedding(config.to_hf())
+        # RoPE's frequencies (any scaling type transformers knows) kept in float32, not as a buffer:
+        # `.to(bfloat16)` rounded a buffer's to 8 bits, and the positions' angles with them.
+        rotary = Qwen3RotaryEmbedding(config.to_hf())
+        self.inv_freq = rotary.inv_freq.detach().float()
+        self.rope_scale = float(rotary.attention_scaling)
         self.reset_parameters()
         # Token ids the draft proposes from (sorted), or None for the whole vocabulary, and the target's
         # head rows of those ids (saved as lm_head.weight). Not parameters: the draft trains no head.
@@ -485,13 +484,15 @@ class DFlashDraft(nn.Module):
         """
         if ctx_features is not None and ctx_features.shape[1]:
             ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
-            rope_ctx = self.rotary(ctx, ctx_positions)
+            rope_ctx = rope_tables(ctx_positions, self.inv_freq, self.rope_scale, ctx.dtype)
         else:
             ctx = block_embeds[:, :0]
             rope_ctx = None
-        rope_x = self.rotary(block_embeds, block_positions)
+        rope_x = rope_tables(block_positions, self.inv_freq, self.rope_scale, block_embeds.dtype)
         if isinstance(mask, torch.Tensor) and "sliding_attention" in self.config.layer_types:
-            mask = self._window_masks(mask, block_positions, ctx_positions, blocks)
+            mask = masks.window_masks(
+                mask, block_positions, ctx_positions, self.config.sliding_window, blocks
+            )
         x = block_embeds
         if self.native is not None and cache is not None and not blocks:  # a quantized copy's layers in C++
             x = self.native(x, ctx, rope_x, rope_ctx, cache, mask)
@@ -501,24 +502,6 @@ class DFlashDraft(nn.Module):
         if cache is not None:
             cache.length += ctx.shape[1]
         return self.norm(x)
-
-    def _window_masks(self, mask, block_positions, ctx_positions, blocks: int) -> dict:
-        """Training's mask (a tensor: inference hands sliding-window drafts a dict or nothing) per layer
-        type: a sliding-window layer's query at position p sees, of what `mask` allows, keys at positions
-        p - window < k <= p, as at inference (causal inside the window), its own block included."""
-        w = self.config.sliding_window
-
-        def within(qp: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
-            diff = qp[..., :, None] - kp[..., None, :]
-            return (diff >= 0) & (diff < w)
-
-        ctx_pos = block_positions[:, :0] if ctx_positions is None else ctx_positions
-        if blocks:  # (context mask, own-block mask), as `block_attention` takes them
-            own = block_positions.view(block_positions.shape[0], -1, blocks)
-            sliding = (mask & within(block_positions, ctx_pos)[:, None], within(own, own)[:, None])
-        else:
-            sliding = mask & within(block_positions, torch.cat([ctx_pos, block_positions], 1))[:, None]
-        return {"full_attention": mask, "sliding_attention": sliding}
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden) * float(self.config.extra.get("output_multiplier", 1.0))

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashdraft.models import masks
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -214,16 +216,11 @@ class Target:
         that holds nothing for a row gets a position larger than any query. Returns one (B, 1, Q, S)
         tensor, or a {layer type: mask} dict for models with both full and sliding layers (Gemma3).
         """
-        diff = q_pos[:, None, :, None] - k_pos[:, None, None, :]
-        low = torch.finfo(self.dtype).min
-        zero = torch.zeros((), dtype=self.dtype, device=diff.device)
-        full = torch.where(diff >= 0, zero, low)
         window = getattr(self.config, "sliding_window", None)
         types = getattr(self.config, "layer_types", None)
-        if not window or (types and "sliding_attention" not in types):
-            return full
-        sliding = torch.where((diff >= 0) & (diff < window), zero, low)
-        return {"full_attention": full, "sliding_attention": sliding} if types else sliding
+        if types and "sliding_attention" not in types:
+            window = None
+        return masks.positional(q_pos, k_pos, self.dtype, window or None, kinds=bool(types))
 
     def forward(
         self,

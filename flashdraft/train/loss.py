@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from flashdraft.models import masks
 from flashdraft.models.target import Target
 
 
@@ -32,35 +33,6 @@ def block_targets(
     return labels, weights
 
 
-def build_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Visibility (b, Q, ctx_len + Q), Q = n_blocks * B, over keys [context ; blocks]; True = may attend.
-
-    anchors: (b, n_blocks), -1 marks a padding block. A query of block j sees context positions
-    strictly before that block's anchor and the B tokens of block j itself, nothing of any other
-    block (blocks are identified by their slot, their relation to others by nothing at all);
-    padding queries see nothing."""
-    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # (b, Q)
-    real = q_anchor >= 0
-    ctx = torch.arange(ctx_len, device=anchors.device)[None, None, :] < q_anchor[:, :, None]
-    slot = torch.arange(q_anchor.shape[1], device=anchors.device) // block_size
-    own = (slot[:, None] == slot[None, :])[None] & real[:, :, None] & real[:, None, :]
-    return torch.cat([ctx, own], dim=-1)
-
-
-def make_rows_safe(mask: torch.Tensor, ctx_len: int) -> torch.Tensor:
-    """Let rows that see nothing (padding) attend to their own key, so attention never divides by
-    zero (a fully masked row gives NaN that would leak into gradients). No real query sees padding
-    keys and padding carries no loss, so nothing else changes."""
-    empty = ~mask.any(-1)  # (..., Q)
-    if not bool(empty.any()):
-        return mask
-    q = mask.shape[-2]
-    eye = torch.eye(q, dtype=torch.bool, device=mask.device)
-    out = mask.clone()
-    out[..., ctx_len:] |= eye & empty[..., :, None]
-    return out
-
-
 @dataclass
 class Batch:
     ids: torch.Tensor  # (b, S) target input, right-padded
@@ -71,7 +43,7 @@ class Batch:
     weights: torch.Tensor  # (b, Q) float64, 0 on index 0 and padding
     anchors: torch.Tensor  # (b, n_blocks) anchor positions, -1 for padding blocks
     n_blocks: int  # real blocks
-    # The dense (b, Q, S + Q) visibility of `build_mask`. None: the block layout computes the same
+    # The dense (b, Q, S + Q) visibility of `masks.training_blocks`. None: the block layout computes the same
     # attention without it (`draft.block_attention`); tests set it to check the rules one by one.
     mask: torch.Tensor | None = None
 
@@ -210,7 +182,7 @@ def draft_hidden(
             embeds = embeds * scale
     s = batch.ids.shape[1]
     if batch.mask is not None:
-        mask = make_rows_safe(batch.mask, s)[:, None]
+        mask = masks.rows_safe(batch.mask, s)[:, None]
         return draft(embeds, batch.block_positions, features.to(dtype), batch.positions, mask=mask)
     q_anchor = batch.anchors.repeat_interleave(config.block_size, dim=1)  # (b, Q), -1 on padding
     ctx_visible = torch.arange(s, device=q_anchor.device)[None, None, :] < q_anchor[:, :, None]

@@ -4,14 +4,14 @@ keys and values, written in place at slot `length` onwards.
 transformers' DynamicCache concatenates every step (a copy of the whole cache per layer and step);
 here a step writes only its new slots, and the capacity grows by doubling when a forward would
 overflow it, so copies are rare. Slots are not positions: rows of a batch may hold different
-positions in the same slot (`flashdraft.engine.slots` keeps them next to the cache, the engine builds masks
-from them).
+positions in the same slot (`flashdraft.models.batch.Slots` keeps them next to the cache, and the masks
+come from them).
 
-The engine edits caches through `layers[i].keys` / `.values` (keep some rows, gather slots, merge a
-prefill's cache into the batch's, see `flashdraft.engine.slots.map_target_cache` and `Engine._prefill`), as it
-does with a DynamicCache. Here those are views of the filled part of the buffers, and assigning one
+The batch state (`flashdraft.models.batch.TargetBatch`) edits caches through `layers[i].keys` /
+`.values` (keep some rows, gather slots, merge a prefill's cache into the batch's), as it does with a
+DynamicCache. Here those are views of the filled part of the buffers, and assigning one
 writes the new tensor into the buffer (reallocating it only if the batch size or the capacity changes)
-and sets the length: the engine works on this cache unchanged.
+and sets the length: the batch state works on this cache unchanged.
 """
 
 from __future__ import annotations

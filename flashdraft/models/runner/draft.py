@@ -74,13 +74,14 @@ class NativeDraftLayers:
 
     def __call__(self, x, ctx, rope_x, rope_ctx, cache, mask) -> torch.Tensor:
         """The layers' output for block x (B, T, H) with new context ctx (B, C, H), their RoPE tables
-        (cos, sin) and `mask` (bool, broadcastable to (B, 1, T, slots)) or None; writes the context's and
-        the block's keys and values after the cache's committed length (its length unchanged)."""
+        (cos, sin as `flashdraft.models.ops.rope_tables` makes them, (B, T, 1, D)) and `mask` (bool,
+        broadcastable to (B, 1, T, slots)) or None; writes the context's and the block's keys and values
+        after the cache's committed length (its length unchanged)."""
         b, t, c = x.shape[0], x.shape[1], ctx.shape[1]
         start = cache.length
         cache.reserve(b, self.kv_heads, self.head_dim, c + t, self.dtype, x.device)
         if rope_ctx is None:
-            rope_ctx = (x.new_zeros(b, 0, self.head_dim),) * 2
+            rope_ctx = (x.new_zeros(b, 0, 1, self.head_dim),) * 2
         if mask is not None:
             low = torch.finfo(torch.float32).min
             full = (b, 1, t, start + c + t)
@@ -89,17 +90,11 @@ class NativeDraftLayers:
             self.handle,
             x.contiguous(),
             ctx.contiguous(),
-            *_tables(*rope_x),
-            *_tables(*rope_ctx),
+            *(t.flatten(2).contiguous() for t in rope_x),
+            *(t.flatten(2).contiguous() for t in rope_ctx),
             cache.k,
             cache.v,
             start,
             mask,
             kernels.path(),
         )
-
-
-def _tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' tables (rotate_half) as the kernels take them: sin's first half negated (a roll)."""
-    half = sin.shape[-1] // 2
-    return cos.contiguous(), torch.cat([-sin[..., :half], sin[..., half:]], -1).contiguous()

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashdraft.models import masks
+from flashdraft.models.ops import rope_tables, rotate
 from flashdraft.models.runner import llama
 from flashdraft.models.runner.cache import KVCache
 from flashdraft.models.runner.quant import Quantization, make_linear
@@ -65,8 +67,8 @@ class Layer(nn.Module):
         b, t, _ = x.shape
         h, kvh, eps = self.heads, self.kv_heads, self.eps
         qkv = self.qkv(rms_norm(x, self.pre_attn, eps)).view(b, t, h + 2 * kvh, self.head_dim)
-        q = llama.rotate(rms_norm(qkv[:, :, :h], self.q_norm, eps), cos, sin)
-        k = llama.rotate(rms_norm(qkv[:, :, h : h + kvh], self.k_norm, eps), cos, sin)
+        q = rotate(rms_norm(qkv[:, :, :h], self.q_norm, eps), cos, sin)
+        k = rotate(rms_norm(qkv[:, :, h : h + kvh], self.k_norm, eps), cos, sin)
         out = llama.attend(q, k, qkv[:, :, h + kvh :], cache, i, start, mask, self.scale)
         x = x + rms_norm(self.o(out), self.post_attn, eps)
         gate, up = self.gate_up(rms_norm(x, self.pre_mlp, eps)).chunk(2, -1)
@@ -125,12 +127,7 @@ class Runner(nn.Module):
         k_pos[b, j] <= q_pos[b, i], and on sliding layers also q_pos - k_pos < window: the window
         counts positions, not slots (as `Target.attention_mask`; a dead slot has a position past every
         query)."""
-        diff = q_pos[:, None, :, None] - k_pos[:, None, None, :]
-        low = torch.finfo(torch.float32).min
-        return {
-            "full_attention": torch.where(diff >= 0, 0.0, low),
-            "sliding_attention": torch.where((diff >= 0) & (diff < self.window), 0.0, low),
-        }
+        return masks.positional(q_pos, k_pos, window=self.window, kinds=True)
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, mask, wanted
@@ -138,7 +135,7 @@ class Runner(nn.Module):
         """The final-normed hidden states (B, T, H) and the outputs of the `wanted` layers. `mask`:
         what `attention_mask` gives (`RunnerTarget.forward` always passes one: `windowed`)."""
         x = F.embedding(ids, self.embed) * self.embed_scale
-        tables = {kind: llama.rope_tables(positions, *rope, x.dtype) for kind, rope in self.ropes.items()}
+        tables = {kind: rope_tables(positions, *rope, x.dtype) for kind, rope in self.ropes.items()}
         caught = {}
         for i, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True)):
             x = layer(x, *tables[kind], cache, i, start, mask[kind])

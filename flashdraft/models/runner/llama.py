@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashdraft.models import masks
+from flashdraft.models.ops import rms_norm, rope_tables, rotate
 from flashdraft.models.runner import kernels
 from flashdraft.models.runner.cache import KVCache
 from flashdraft.models.runner.quant import BlockLinear, Quantization, make_linear
@@ -32,30 +34,6 @@ from flashdraft.models.target import TargetError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static tables; dynamic ones change with length
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: statistics in float32 (even for float64 inputs), scaled after the cast back.
-    torch's fused norm gives the bits of its five ops (tests/test_runner.py) in one."""
-    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in 4 ops: transformers' rotate_half(x) * sin is roll(x) * sin with the sign of sin's first
-    half flipped (see `Runner.rope`), the same products bit for bit."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
-def rope_tables(
-    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (B, T, 1, D) as transformers computes them (in float32, then cast), with the first
-    half of sin negated for `rotate`."""
-    freqs = positions[..., None].float() * inv_freq.to(positions.device)
-    emb = torch.cat([freqs, freqs], -1)[:, :, None]
-    sin = (emb.sin() * scale).to(dtype)
-    half = sin.shape[-1] // 2
-    return (emb.cos() * scale).to(dtype), torch.cat([-sin[..., :half], sin[..., half:]], -1)
 
 
 def attend(
@@ -202,8 +180,7 @@ class Runner(nn.Module):
     def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """(B, 1, Q, S) additive float32 mask: query i of row b sees slot j iff k_pos[b, j] <= q_pos[b, i]
         (see `Target.attention_mask`; a dead slot has a position past every query)."""
-        visible = k_pos[:, None, None, :] <= q_pos[:, None, :, None]
-        return torch.where(visible, 0.0, torch.finfo(torch.float32).min)
+        return masks.positional(q_pos, k_pos)
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, mask, wanted
