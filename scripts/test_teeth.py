@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "a bf16 draft rounds RoPE's frequencies with its weights (a buffer cast by .to)",
+        "flashdraft/models/draft.py",
+        "        self.inv_freq = rotary.inv_freq.detach().float()\n",
+        '        self.register_buffer("inv_freq", rotary.inv_freq.detach().float(), persistent=False)\n',
+        "tests/test_draft.py::test_a_bfloat16_draft_keeps_its_rope_frequencies_in_float32",
+    ),
+    (
         "a tree node sees its parent but not the ancestors above it",
         "flashdraft/models/masks.py",
         "            rows[i + 1] = [a or c for a, c in zip(rows[i + 1], rows[p + 1], strict=True)]",
@@ -623,8 +630,8 @@ BUGS = [
     (
         "the draft's slot positions are dropped once its rows lose alignment",
         "flashdraft/engine/proposers.py",
-        "        if not self.aligned:  # aligned context",
-        "        if False:  # aligned context",
+        "            self.slots.kpos = self.slots.positions().contiguous()\n            self.slots.advance(lens, ctx_pos)\n",
+        "            self.slots.length += c_len\n",
         "tests/test_batch.py::test_long_run_compacts_and_stays_exact",
     ),
     (
@@ -1208,8 +1215,8 @@ BUGS = [
     (
         "draft: the draft-vocabulary LM head drops the logit multiplier and softcap",
         "flashdraft/models/draft.py",
-        "add = self.logits(hidden, lambda h: F.linear(h.to(w.dtype), w, b))",
-        "add = F.linear(hidden.to(w.dtype), w, b)",
+        "        sub = self.logits(hidden, head)\n",
+        "        sub = head(hidden)\n",
         "tests/test_train.py::test_training_forward_matches_proposer_and_padding_changes_nothing",
     ),
     (

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from flashdraft.models import masks
 from flashdraft.models.runner import kernels
 from flashdraft.models.runner.quant import BlockLinear
 
@@ -82,10 +83,8 @@ class NativeDraftLayers:
         cache.reserve(b, self.kv_heads, self.head_dim, c + t, self.dtype, x.device)
         if rope_ctx is None:
             rope_ctx = (x.new_zeros(b, 0, 1, self.head_dim),) * 2
-        if mask is not None:
-            low = torch.finfo(torch.float32).min
-            full = (b, 1, t, start + c + t)
-            mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, low).expand(full)
+        if mask is not None:  # the kernels add it: boolean to additive
+            mask = masks.additive(mask).expand(b, 1, t, start + c + t)
         return torch.ops.flashdraft.draft_forward(
             self.handle,
             x.contiguous(),
