@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "a batched row's tree built from the first row's marginals",
+        "flashdraft/engine/proposers.py",
+        "return tree.from_probs(self.marginals()[b, :depth], budget, ids)",
+        "return tree.from_probs(self.marginals()[0, :depth], budget, ids)",
+        "tests/test_tree.py::test_greedy_tree_decoding_equals_plain_decoding_in_float64",
+    ),
+    (
         "a bf16 draft rounds RoPE's frequencies with its weights (a buffer cast by .to)",
         "flashdraft/models/draft.py",
         "        self.inv_freq = rotary.inv_freq.detach().float()\n",
@@ -187,8 +194,8 @@ BUGS = [
     (
         "a row's dead block slots are visible to its draft (shorter blocks see the longest row's masks)",
         "flashdraft/engine/proposers.py",
-        "slots.advance([k + 1 for k in ks], blk_pos)",
-        "slots.advance([k_max + 1] * n_rows, blk_pos)",
+        "keys.advance([k + 1 for k in ks], blk_pos)",
+        "keys.advance([k_max + 1] * n_rows, blk_pos)",
         "tests/test_batch.py::test_long_run_compacts_and_stays_exact",
     ),
     (
@@ -630,8 +637,8 @@ BUGS = [
     (
         "the draft's slot positions are dropped once its rows lose alignment",
         "flashdraft/engine/proposers.py",
-        "            self.slots.kpos = self.slots.positions().contiguous()\n            self.slots.advance(lens, ctx_pos)\n",
-        "            self.slots.length += c_len\n",
+        "        self.slots.advance(lens, ctx_pos)\n",
+        "        self.slots.length += c_len\n",
         "tests/test_batch.py::test_long_run_compacts_and_stays_exact",
     ),
     (

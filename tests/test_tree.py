@@ -204,6 +204,7 @@ def test_greedy_tree_decoding_equals_plain_decoding_in_float64(arch, monkeypatch
     monkeypatch.setattr(batch_module, "path_order", path_order)
     draft = make_draft(model)
     for name in ("dflash", "oracle"):
+        alone = []
         for i, (p, c) in enumerate(zip(prompts, configs, strict=True)):
             prop = (
                 DFlashProposer(draft, target, tree=6)
@@ -212,11 +213,14 @@ def test_greedy_tree_decoding_equals_plain_decoding_in_float64(arch, monkeypatch
             )
             res = generate(target, p, prop, GenerationConfig(c.max_new_tokens, 8))
             assert res.tokens == want[i], (name, "alone", i)
+            alone.append(res.acceptance_lengths)
         truths = {str(i): t for i, t in enumerate(want)}
         prop = DFlashProposer(draft, target, tree=6) if name == "dflash" else TreeOracle(truths, 128, rng)
         seen = run_decoder(Engine(target, prop, 8, max_batch_size=3), prompts, configs)  # joins, leaves
         for i in range(len(prompts)):
             assert seen[str(i)]["tokens"] == want[i], (name, "batched", i)
+            if name == "dflash":  # each row's trees are its own, in a batch as alone: so its acceptance
+                assert seen[str(i)]["accepted"] == alone[i], ("dflash", "batched", i)
     assert sum(moved) > 5, moved
 
 

@@ -213,7 +213,7 @@ class Engine:
 
     def _keep(self, index: list[int]) -> None:
         """Only these rows stay in the batch and its caches."""
-        if len(index) < len(self.rows) or not index:
+        if len(index) < len(self.rows):
             self.rows = [self.rows[i] for i in index]
             if self.proposer is not None:
                 self.proposer.keep(index)

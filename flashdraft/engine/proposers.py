@@ -44,6 +44,12 @@ class Proposer:
     feature_layers: list[int] | None = None  # target layers whose features join/accept receive
     block_size = 16
     relative_cost: float | None = None  # a drafted token's cost over a target token's; None: unknown
+    last_logits: torch.Tensor | None = None  # a drafting proposer's last block logits (B, k, V)
+
+    def marginals(self) -> torch.Tensor | None:
+        """The last call's per-position distributions (B, k, V) as their softmax gives them (what a greedy
+        row's tree and adaptive speculation's confidence read), or None without logits."""
+        return None if self.last_logits is None else self.last_logits.float().softmax(-1)
 
     def reset(self) -> None:
         pass
@@ -157,8 +163,9 @@ class DFlashProposer(Proposer):
     verify) waits in `pending` until the next draft call writes it into the draft's context cache.
     While the rows are aligned (same positions in every slot: always so at batch 1) the call needs no
     mask and no slot positions are kept. Otherwise context is padded to the longest row with dead slots
-    (`flashdraft.models.batch.Slots`, the bookkeeping of the target's batch) and blocks are as long as the longest row's, a row's extra block slots dead for it, so every row's drafts are
-    the ones it would get alone. Sliding-window draft layers see a window counted in positions.
+    (`flashdraft.models.batch.Slots`, the bookkeeping of the target's batch) and blocks are as long as
+    the longest row's, a row's extra block slots dead for it, so every row's drafts are the ones it
+    would get alone. Sliding-window draft layers see a window counted in positions.
 
     With sampling, `proposal="draft"` samples each block position from the draft's own (warped)
     distribution and hands q to the verifier; `proposal="greedy"` drafts the argmax (one-hot q).
@@ -200,6 +207,7 @@ class DFlashProposer(Proposer):
         self.window = draft.config.sliding_window if "sliding_attention" in draft.config.layer_types else None
         self.compactions = 0
         self.last_logits: torch.Tensor | None = None
+        self._marginals: torch.Tensor | None = None  # `marginals`, once per call
         # The draft's layers against the target's: a cost ratio per token, until a draft call is timed.
         self.relative_cost = draft.config.num_hidden_layers / target.num_layers
         self.reset()
@@ -257,11 +265,19 @@ class DFlashProposer(Proposer):
         for b, ctx in enumerate(self.pending):
             ctx.add(features[b, : n[b]])
 
+    def marginals(self) -> torch.Tensor:
+        """As `Proposer.marginals`, over the draft vocabulary's columns where it has one (every finite
+        logit is one of them: 4x cheaper), made once per call for all rows."""
+        if self._marginals is None:
+            sub, _ = self.draft.last_vocab_logits or (self.last_logits, None)
+            self._marginals = sub.float().softmax(-1)
+        return self._marginals
+
     def tree_of(self, b: int, depth: int, budget: int) -> tree.Tree:
         """Row b's tree of up to `budget` tokens from the last call's marginals at block positions
-        1..depth, as their softmax gives them (a greedy row's)."""
-        sub, ids = self.draft.last_vocab_logits or (self.last_logits, None)
-        return tree.from_probs(sub[b, :depth].float().softmax(-1), budget, ids)
+        1..depth (a greedy row's)."""
+        ids = self.draft.last_vocab_logits[1] if self.draft.last_vocab_logits else None
+        return tree.from_probs(self.marginals()[b, :depth], budget, ids)
 
     def propose(self, rows, ks):
         if self.tree:  # a tree is never deeper than its budget
@@ -288,14 +304,15 @@ class DFlashProposer(Proposer):
         embeds = self.target.embed(block).to(self.draft.fc.weight.dtype)
         if self.embed_scale != 1.0:
             embeds = embeds * self.embed_scale
-        if self.aligned and len(set(ks)) == 1:  # one set of positions for all rows, no mask
+        aligned = self.aligned and len(set(ks)) == 1  # one set of positions for all rows, no mask
+        if aligned:
             start = self.cache.length
             if start + c_len != rows[0].anchor:
                 raise RuntimeError(
                     f"draft context covers {start + c_len} positions, anchor is at {rows[0].anchor}"
                 )
             pos = torch.arange(start, start + c_len + k_max + 1, device=device).expand(n_rows, -1)
-            ctx_pos, blk_pos, mask = pos[:, :c_len], pos[:, c_len:], None
+            ctx_pos, blk_pos = pos[:, :c_len], pos[:, c_len:]
         else:
             ctx_pos = torch.tensor([c.start for c in self.pending], device=device)[:, None] + torch.arange(
                 c_len, device=device
@@ -303,21 +320,19 @@ class DFlashProposer(Proposer):
             blk_pos = torch.tensor([r.anchor for r in rows], device=device)[:, None] + torch.arange(
                 k_max + 1, device=device
             )
-            # what the call's keys will hold: the cache, the new context, the block (slots past k dead)
-            slots = Slots(n_rows, self.slots.length, self.slots.kpos, device)
-            slots.advance(lens, ctx_pos)
-            slots.advance([k + 1 for k in ks], blk_pos)
-            mask = masks.draft_visibility(slots.positions(), blk_pos, self.window)
+        # The context joins the cache's slots (aligned context stays aligned, whatever the block's mask is).
+        self.slots.advance(lens, ctx_pos)
+        mask = None
+        if not aligned:  # the call's keys: the cache's slots and the block, slots past a row's k dead
+            keys = Slots(n_rows, self.slots.length, self.slots.kpos, device)
+            keys.advance([k + 1 for k in ks], blk_pos)
+            mask = masks.draft_visibility(keys.positions(), blk_pos, self.window)
         hidden = self.draft(embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask)
-        if self.aligned:  # aligned context stays aligned in the cache, whatever the block's mask was
-            self.slots.length += c_len
-        else:  # from here on every slot's position is kept
-            self.slots.kpos = self.slots.positions().contiguous()
-            self.slots.advance(lens, ctx_pos)
         self.pending = [Context(r.anchor) for r in rows]  # next: the committed tokens
         context = self._contexts(rows) if self.context_vocab else None
         logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head, context)
         self.last_logits = logits  # (B, k_max, V), for inspection (tests compare them across batch sizes)
+        self._marginals = None
         sub, ids = self.draft.last_vocab_logits or (logits, None)  # the draft vocabulary's columns alone
         greedy = None if self.tree else (argmax(sub) if ids is None else ids[argmax(sub)])
         out = []

@@ -9,9 +9,9 @@ and accepts more (docs/speed.md, "Trees from the block's marginals").
 
 In the verify forward each node sees the committed context, its ancestors and itself
 (`flashdraft.models.masks.tree_ancestors`), at the position anchor + its depth. Nodes are numbered so
-that a parent comes before its children, so a path's slots are in position order and a node's attention sums run over the same slots, in the same
-order, as a one-token step of its path: its logits equal that step's bitwise where the forward is
-batch-invariant. The verify then walks the tree (`walk`): at each node the target's own next token
+that a parent comes before its children, so a path's slots are in position order and a node's attention
+sums run over the same slots, in the same order, as a one-token step of its path: its logits equal that
+step's bitwise where the forward is batch-invariant. The verify then walks the tree (`walk`): at each node the target's own next token
 (its argmax, or a sample from exactly plain sampling's distribution), down to the child that carries
 it, so every emitted token is the one plain decoding would emit; the token no child carries is the
 bonus. The target's batch moves the accepted path's keys and values to the front of the block

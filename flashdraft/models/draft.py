@@ -482,6 +482,8 @@ class DFlashDraft(nn.Module):
         queries are consecutive blocks of B tokens and `mask` (b, 1, Q, C) says which context positions
         each may see; each block also sees itself, nothing else (the fast training layout).
         """
+        if self.inv_freq.device != block_positions.device:  # once: it is not a buffer `.to` moves
+            self.inv_freq = self.inv_freq.to(block_positions.device)
         if ctx_features is not None and ctx_features.shape[1]:
             ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
             rope_ctx = rope_tables(ctx_positions, self.inv_freq, self.rope_scale, ctx.dtype)
