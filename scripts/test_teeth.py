@@ -223,7 +223,7 @@ BUGS = [
     (
         "the adaptive proposer never skips the draft",
         "flashdraft/engine/adaptive.py",
-        "        probe = self.wait == 0 and self.could_pay(len(rows), draft_s)",
+        "        probe = self.wait == 0 and paid and self.could_pay(len(rows), draft_s)",
         "        probe = True",
         "tests/test_adaptive.py::test_a_useless_draft_is_mostly_skipped",
     ),
@@ -243,6 +243,41 @@ BUGS = [
         "tests/test_adaptive.py::test_rows_joining_a_batch_wait_for_its_next_probe",
     ),
     (
+        "a batch's probes spend without credit (where drafting never pays, 9 probes in 240 steps)",
+        "flashdraft/engine/adaptive.py",
+        "        paid = len(rows) == 1 or self.credit >= 0",
+        "        paid = True",
+        "tests/test_adaptive.py::test_in_a_batch_where_the_draft_never_pays_probes_cost_at_most_their_budget",
+    ),
+    (
+        "a request alone waits for credit before its first draft step",
+        "flashdraft/engine/adaptive.py",
+        "        paid = len(rows) == 1 or self.credit >= 0",
+        "        paid = self.credit >= 0",
+        "tests/test_adaptive.py::test_draft_or_not_is_decided_per_request",
+    ),
+    (
+        "adaptive prices a ragged verify as a padded one",
+        "flashdraft/engine/adaptive.py",
+        "        if self.ragged:\n            return sum(1 + min(length, len(p.tokens)) for p in picks)",
+        "        if False:\n            return sum(1 + min(length, len(p.tokens)) for p in picks)",
+        "tests/test_adaptive.py::test_on_a_ragged_target_a_rows_drafts_cost_its_own_tokens",
+    ),
+    (
+        "layers.cpp: a ragged verify ropes and caches a packed row as the block's row of that index",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "    const int64_t j = i / (h + kvh), head = i % (h + kvh), r = w.token(j);",
+        "    const int64_t j = i / (h + kvh), head = i % (h + kvh), r = j;",
+        "tests/test_runner.py::test_a_ragged_verify_gives_each_row_the_bits_of_the_padded_one",
+    ),
+    (
+        "layers.cpp: a ragged verify's queries read the mask row of their packed index",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "      masks[n] = w.mask ? w.mask + r * end : nullptr;",
+        "      masks[n] = w.mask ? w.mask + j * end : nullptr;",
+        "tests/test_runner.py::test_a_ragged_verify_gives_each_row_the_bits_of_the_padded_one",
+    ),
+    (
         "the runner's Llama norm scales before the cast back to the activation dtype",
         "flashdraft/models/ops.py",
         "    return weight * F.rms_norm(stats, x.shape[-1:], None, eps).to(x.dtype)",
@@ -259,8 +294,8 @@ BUGS = [
     (
         "a probe is made whether or not it could pay (the draft call's catch-up unpriced)",
         "flashdraft/engine/adaptive.py",
-        "        probe = self.wait == 0 and self.could_pay(len(rows), draft_s)",
-        "        probe = self.wait == 0",
+        "        probe = self.wait == 0 and paid and self.could_pay(len(rows), draft_s)",
+        "        probe = self.wait == 0 and paid",
         "tests/test_adaptive.py::test_a_probe_that_could_not_pay_is_not_made",
     ),
     (

@@ -29,7 +29,7 @@ from flashdraft.engine.adaptive import EXPLORE, AdaptiveProposer, Calibration, L
 # What the engine's clock would say of each step, in a CPU-like ratio: a plain step (one token per row)
 # PLAIN_S (its weights read once for all of a few rows), a speculative verify of n tokens VERIFY_S +
 # PER_TOKEN_S * n (more than a plain step even at one token: matrix-vector kernels give way to
-# matrix-matrix ones), a draft call DRAFT_S.
+# matrix-matrix ones), a draft call DRAFT_S (a step that drafted nothing spent nothing on drafting).
 PLAIN_S, VERIFY_S, PER_TOKEN_S, DRAFT_S = 1.0, 1.2, 0.05, 0.4
 
 
@@ -43,7 +43,7 @@ def fixed_costs(monkeypatch):
     def fixed(self, rows, ks, n, draft_s, verify_s, verify_tokens):
         plain = verify_tokens == len(rows)
         verify = PLAIN_S if plain else VERIFY_S + PER_TOKEN_S * verify_tokens
-        observe(self, rows, ks, n, DRAFT_S, verify, verify_tokens)
+        observe(self, rows, ks, n, DRAFT_S if self.drafted else 0.0, verify, verify_tokens)
 
     monkeypatch.setattr(AdaptiveProposer, "observe", fixed)
     timed = AdaptiveProposer.timed
@@ -254,6 +254,25 @@ def test_rows_joining_a_batch_wait_for_its_next_probe(tiny_llama):
     assert s["draft_steps"] <= 12 and s["skipped_steps"] > 8 * s["draft_steps"], s
 
 
+def test_in_a_batch_where_the_draft_never_pays_probes_cost_at_most_their_budget(tiny_llama, monkeypatch):
+    """Each probe of a useless draft loses at least its draft call against a plain step; in a batch the
+    probes wait for credit (PROBE_BUDGET of the time plus what drafting won), so they cost at most that
+    share of the run. Here a draft call costs a plain step (at batch 4 on the CPU of docs/speed.md, a
+    probe reading 64 steps of context cost 1.5 of them): the backoff alone made 9-10 probes in ~240
+    steps, the budget allows 1 + 0.02 * 240 / 1.0. The output stays plain decoding's."""
+    monkeypatch.setitem(globals(), "DRAFT_S", 1.0)  # what the `fixed_costs` fixture reports
+    draft = make_draft(tiny_llama.model, block_size=8)
+    adaptive = AdaptiveProposer(DFlashProposer(draft, tiny_llama))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(128) for _ in range(4)] for _ in range(16)]
+    cfg = GenerationConfig(60)
+    res = generate_batch(tiny_llama, prompts, config=cfg, proposer=adaptive, max_batch_size=4)
+    assert [r.tokens for r in res] == [generate(tiny_llama, p, None, cfg).tokens for p in prompts]
+    s = adaptive.stats
+    steps = s["draft_steps"] + s["skipped_steps"]
+    assert s["draft_steps"] <= 1 + A.PROBE_BUDGET * steps * PLAIN_S / DRAFT_S, s
+
+
 def test_a_fresh_proposer_prices_its_first_verify_from_the_prefill(tiny_llama):
     """Before any verify, the prefill's timing prices one: a fresh proposer at batch 4 cuts its first blocks
     (with nothing timed it verified every row's whole block: at batch 16, 4-6 plain steps' worth)."""
@@ -369,3 +388,24 @@ def test_a_tree_row_teaches_the_calibration_what_its_chain_would_have_accepted()
     assert A._leading([5, 9], [5, 6, 8]) == 1  # a sibling of the chain's second token was accepted
     assert A._leading([4, 6], [5, 6]) == 0
     assert A._leading([5, 6], [5, 6, 8]) == 2  # as far as the committed tokens tell
+
+
+def test_on_a_ragged_target_a_rows_drafts_cost_its_own_tokens():
+    """At batch 4, one row's 3 drafted tokens are sure (chance 0.99 each), the other rows have none; a
+    verify of n tokens costs 0.6 + 0.1 n plain steps. Padded to the longest it computes 16 tokens for
+    4 + 2.97 ((4 + 2.97) / 2.2 < 4 rows a step), so the cut verifies nothing; on a ragged target
+    (`BatchState.ragged`: each row's own tokens only) it computes 7 ((4 + 2.97) / 1.3 > 4)."""
+    adaptive = AdaptiveProposer(None, NgramProposer())
+    adaptive.plain_cost.add(4, 1.0)
+    for n in range(5, 33):
+        adaptive.verify_cost.add(n, 0.6 + 0.1 * n)
+    sure = Calibration()
+    sure.hits = [n * 0.99 for n in sure.seen]
+    pick = AdaptiveProposer._choose(
+        [("ngram", [7, 8, 9], None, [0.5] * 3, sure)], adaptive.threshold(4), RowState()
+    )
+    assert len(pick.tokens) == 3
+    picks = [pick, A.NONE, A.NONE, A.NONE]
+    assert [p.source for p in adaptive.cut(picks)] == ["none"] * 4
+    adaptive.ragged = True
+    assert [len(p.tokens) for p in adaptive.cut(picks)] == [3, 0, 0, 0]

@@ -499,3 +499,43 @@ def test_layers_side_by_side_give_their_outputs_and_hold_their_weights_once(kind
         assert p.packed.data_ptr() == fused.packed[tile].data_ptr()
     with pytest.raises(ValueError, match="whole tiles"):
         BlockLinear.side_by_side(parts[2], parts[0])  # 40 outputs: not whole tiles, then more
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@pytest.mark.parametrize("quantize", [Quantization("q4_1", "q8_0")], ids=str)
+@pytest.mark.parametrize("arch", ("llama", "qwen3"))
+def test_a_ragged_verify_gives_each_row_the_bits_of_the_padded_one(arch, quantize):
+    check_ragged_verify(smol_shaped(arch, quantize), (arch, quantize))
+
+
+@torch.inference_mode()
+def check_ragged_verify(run: RunnerTarget, what) -> None:
+    """A verify of three rows that need 8, 3 and 1 of its 8 tokens (`lengths`: the rows' padding is not
+    computed, `RunnerTarget.ragged`) gives every row's own tokens the logits and features of the padded
+    verify, bit for bit, and the next step (the padding's slots dead, as the engine leaves them, and
+    never written by the ragged verify) gives the same bits too."""
+    assert run.ragged
+    g = torch.Generator().manual_seed(7)
+    prompt, block = torch.randint(0, 128, (3, 41), generator=g), torch.randint(0, 128, (3, 8), generator=g)
+    nxt, lengths = torch.randint(0, 128, (3, 1), generator=g), [8, 3, 1]
+    q_pos = torch.arange(41, 49).expand(3, -1)
+    kpos = torch.cat([torch.arange(41).expand(3, -1), q_pos], 1)
+    mask = run.attention_mask(q_pos, kpos)
+    kpos = torch.where(torch.arange(8) < torch.tensor(lengths)[:, None], q_pos, DEAD)  # what rows keep
+    kpos = torch.cat([torch.arange(41).expand(3, -1), kpos, torch.full((3, 1), 49)], 1)
+    step_pos = torch.tensor([[49], [44], [42]])
+    kpos[:, -1:] = step_pos
+    outs = []
+    for ragged in (False, True):
+        cache = run.new_cache()
+        run.forward(prompt, torch.arange(41).expand(3, -1), cache)
+        logits, feats = run.forward(
+            block, q_pos, cache, features=[0, 1], attention_mask=mask, lengths=lengths if ragged else None
+        )
+        after, _ = run.forward(nxt, step_pos, cache, attention_mask=run.attention_mask(step_pos, kpos))
+        outs.append((logits, feats, after))
+    for b, n in enumerate(lengths):
+        for x, y in zip(outs[0], outs[1], strict=True):
+            k = min(n, x.shape[1])
+            assert torch.equal(x[b, :k], y[b, :k]), (what, b)
+    assert not outs[1][0][2, 1:].any()  # the padding: not computed

@@ -19,7 +19,10 @@ reached it, by a calibration table per confidence bin.
   when the rows' expected gains together (each the running mean of its own past draft steps) are worth
   the draft call and the longer verify, against a plain step of the batch. When they are not, the batch
   steps plain (or n-gram where a context repeats) and tries the draft again after 1, 2, 4, ... 64 steps,
-  and every row updates its gain from that probe. A probe is made only where a draft step could pay at
+  and every row updates its gain from that probe. In a batch, a probe also waits for credit: what draft
+  steps won against plain decoding plus PROBE_BUDGET of the time, less what they lost, so that where
+  drafting never pays (chat at batch 4-16 on a CPU, where a verify's cost grows with its tokens) probes
+  cost at most that share of the run. A probe is made only where a draft step could pay at
   all (every drafted token accepted) against the draft call as priced now, catch-up included: at 16 rows
   the first draft call reads every prompt. A request starts with the typical gain of all requests as its
   prior, worth one step (a row never measured counts as accepting whole blocks); alone in the batch it
@@ -51,6 +54,8 @@ from flashdraft.engine.proposers import NOTHING, DFlashProposer, NgramProposer, 
 from flashdraft.engine.sequence import Row
 
 BINS = 10
+PROBE_BUDGET = 0.02  # the share of its time a run where drafting never pays may spend on probes (`credit`)
+CREDIT_STEPS = 64  # the most credit kept, in plain steps of the batch
 EXPLORE = 16  # a row that verified nothing for this many steps verifies its likeliest drafted token
 SPECULATION = ("fixed", "adaptive", "tree")  # what `--speculation` offers
 DEFAULT_SPECULATION = "adaptive"
@@ -85,7 +90,7 @@ class Pick(NamedTuple):
     """What a row verifies this step: `tokens` from `source` ("none": nothing), cut to what pays."""
 
     source: str
-    tokens: torch.Tensor
+    tokens: torch.Tensor | list[int]  # n-gram lookup's stay a list until verified
     q: torch.Tensor | None
     conf: list[float]  # the confidences of the tokens kept
     table: Calibration | None  # the calibration that learns from them
@@ -103,8 +108,12 @@ class LinearCost:
         self.decay = 0.5 ** (1 / halflife)
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.prior = prior_b_over_a
+        self._fit: tuple[float, float] | None = (
+            None  # fit()'s answer until the next add: asked ~70 times a step
+        )
 
     def add(self, n: float, seconds: float) -> None:
+        self._fit = None
         d = self.decay
         self.w, self.sx, self.sy = self.w * d + 1, self.sx * d + n, self.sy * d + seconds
         self.sxx, self.sxy = self.sxx * d + n * n, self.sxy * d + n * seconds
@@ -112,8 +121,11 @@ class LinearCost:
     def fit(self) -> tuple[float, float] | None:
         """(a, b), or None before the first timing. With one size of forward seen so far, b comes from
         the prior ratio b/a."""
-        if self.w == 0:
-            return None
+        if self._fit is None and self.w:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx
         if var > 1e-6 * max(1.0, mx * mx):
@@ -201,6 +213,9 @@ class AdaptiveProposer(Proposer):
         self.dflash, self.ngram = dflash, ngram
         # greedy rows' DFlash chains verified as trees of as many tokens (`_tree`), where the draft offers them
         self.trees = trees and hasattr(dflash, "tree_of")
+        # whether the target verifies each row's own tokens only (`BatchState.ragged`): then a row's
+        # drafts cost their own tokens, not one more token for every row of the batch
+        self.ragged = bool(getattr(getattr(dflash, "target", None), "ragged", False))
         self.block_size = max(p.block_size for p in (dflash, ngram) if p is not None)
         self.feature_layers = dflash.feature_layers if dflash is not None else None
         self.verify_cost = StepCost()  # speculative verify forwards
@@ -214,6 +229,8 @@ class AdaptiveProposer(Proposer):
         self.typical: RowState = RowState()  # gain and verified of all requests (slow EMA): a new one's prior
         self.wait = 0  # steps before the draft is tried again, where it does not pay
         self.backoff = 1  # the next wait when a probe shows the draft still does not pay
+        # Seconds the next probe may lose (`_account`): what draft steps won, plus PROBE_BUDGET of all time
+        self.credit = 0.0
         # per row: what it verified (source, confidences, calibration, and a tree's chain, else None)
         self.last: list[tuple[str, list[float], Calibration | None, list[int] | None]] = []
         self.drafted = False
@@ -287,19 +304,27 @@ class AdaptiveProposer(Proposer):
             return picks
         chances = [p.table.chances(p.conf) if len(p.tokens) else [] for p in picks]
         sums = [[0.0, *accumulate(c)] for c in chances]  # expected accepted, by length: once per row
-        best, best_gain, best_rate = longest, sum(p.value for p in picks), 0.0
+        best, best_gain, best_rate, best_tokens = longest, sum(p.value for p in picks), 0.0, 0
         for length in range(1, longest + 1):
             gain = sum(x[min(length, len(x) - 1)] for x in sums)
-            seconds = self.verify_s(rows * (1 + length), rows)
+            tokens = self.verified(picks, length)
+            seconds = self.verify_s(tokens, rows)
             if seconds is not None and (rows + gain) / seconds > best_rate:
-                best, best_gain, best_rate = length, gain, (rows + gain) / seconds
-        if not self.pays(rows, best_gain, rows * (1 + best)):
-            # An exploring row verifies its token on its own only at batch 1: the verify pads every row to
-            # the longest, so in a batch it would make all rows verify one more token (B=16: 0.78x plain).
-            return [p if p.exploring and rows == 1 else NONE for p in picks]
+                best, best_gain, best_rate, best_tokens = length, gain, (rows + gain) / seconds, tokens
+        if not self.pays(rows, best_gain, best_tokens or self.verified(picks, best)):
+            # An exploring row verifies its token on its own only alone or on a ragged target: a padded
+            # verify would make all rows verify one more token (B=16: 0.78x plain).
+            return [p if p.exploring and (rows == 1 or self.ragged) else NONE for p in picks]
         return [
             p if len(p.tokens) <= best else _trim(p, c, best) for p, c in zip(picks, chances, strict=True)
         ]
+
+    def verified(self, picks: list[Pick], length: int) -> int:
+        """Tokens a verify computes with every row cut to `length`: each row's own on a ragged target,
+        else every row padded to the longest."""
+        if self.ragged:
+            return sum(1 + min(length, len(p.tokens)) for p in picks)
+        return len(picks) * (1 + min(length, max(len(p.tokens) for p in picks)))
 
     def draft_s(self, tokens: int) -> float | None:
         """Seconds of a draft call over `tokens` tokens: the line fitted to the draft calls timed; before
@@ -318,14 +343,19 @@ class AdaptiveProposer(Proposer):
         lengths. A row not measured yet counts as accepting a whole block."""
         if self.dflash is None:
             return False
-        rows, costs = len(states), self.costs(len(states))
-        if draft_s is None or costs is None:
-            return True  # nothing measured yet
         whole = self.block_size - 1
         gain = sum(whole if s.gain is None else s.gain for s in states)
-        tokens = rows + sum(whole if s.gain is None else s.verified for s in states)
+        tokens = len(states) + sum(whole if s.gain is None else s.verified for s in states)
+        return self._draft_pays(len(states), gain, tokens, draft_s)
+
+    def _draft_pays(self, rows: int, gain: float, tokens: float, draft_s: float | None) -> bool:
+        """Whether a draft call of `draft_s` seconds and a verify of `tokens` tokens (a mean: the costs at
+        the neighbouring sizes interpolated) that accepts `gain` drafted tokens beat a plain step."""
+        costs = self.costs(rows)
+        if draft_s is None or costs is None:
+            return True  # nothing measured yet
         lo, hi = self.verify_s(int(tokens), rows), self.verify_s(int(tokens) + 1, rows)
-        verify = lo + (hi - lo) * (tokens - int(tokens))  # the costs at the neighbouring sizes, interpolated
+        verify = lo + (hi - lo) * (tokens - int(tokens))
         return (rows + gain) / (draft_s + verify) > rows / costs[0]
 
     def could_pay(self, rows: int, draft_s: float | None) -> bool:
@@ -333,9 +363,8 @@ class AdaptiveProposer(Proposer):
         verify length, against the draft call as priced now (its catch-up with the context the rows
         committed since the last call included). A probe that could not pay even so is not made: at 16
         rows a fresh proposer's first draft call read every prompt (0.1-0.6 s against a 41 ms step)."""
-        return any(
-            self.wants_draft([RowState(gain=j, verified=j)] * rows, draft_s)
-            for j in range(1, self.block_size)
+        return self.dflash is not None and any(
+            self._draft_pays(rows, rows * j, rows * (1 + j), draft_s) for j in range(1, self.block_size)
         )
 
     def propose(self, rows, ks):
@@ -345,14 +374,17 @@ class AdaptiveProposer(Proposer):
             self.rows = {rows[0]: self._new_row()}
             self.wait, self.backoff = 0, (1 if self.wants_draft([self.rows[rows[0]]], draft_s) else EXPLORE)
         self.rows = {r: self.rows.get(r) or self._new_row() for r in rows}  # by Row: ids may be reused
-        probe = self.wait == 0 and self.could_pay(len(rows), draft_s)
+        # Alone, a request probes on its schedule: its first draft step reads its prompt, an investment a
+        # row that drafts pays back (humaneval: tau 1.92 -> 1.55 when its probes waited for credit).
+        paid = len(rows) == 1 or self.credit >= 0
+        probe = self.wait == 0 and paid and self.could_pay(len(rows), draft_s)
         self.drafted = self.dflash is not None and (
             probe or self.wants_draft(list(self.rows.values()), draft_s)
         )
         self.wait = max(0, self.wait - 1)
         ng = None
         if self.ngram is not None:
-            ng = [self.ngram.lookup(r, k) if k else (NOTHING, 0) for r, k in zip(rows, ks, strict=True)]
+            ng = [self.ngram.lookup(r, k) if k else ([], 0) for r, k in zip(rows, ks, strict=True)]
         df = self.dflash.propose(rows, ks) if self.drafted else None
         theta = self.threshold(len(rows))
         picks = []
@@ -373,7 +405,10 @@ class AdaptiveProposer(Proposer):
             if p.source != "none":
                 self.stats[f"{p.source}_rows"] += 1
             shaped = self._tree(b, row, p, ks[b])
-            out.append(shaped or (p.tokens, p.q))
+            tokens = (
+                p.tokens if isinstance(p.tokens, torch.Tensor) else torch.tensor(p.tokens, dtype=torch.long)
+            )
+            out.append(shaped or (tokens, p.q))
             self.last.append((p.source, p.conf, p.table, p.tokens.tolist() if shaped else None))
         self.stats["draft_steps" if self.drafted else "skipped_steps"] += 1
         return out
@@ -449,6 +484,7 @@ class AdaptiveProposer(Proposer):
     def observe(self, rows, ks, n, draft_s: float, verify_s: float, verify_tokens: int) -> None:
         """After the verify: row b verified ks[b] drafted tokens and committed n[b]."""
         (self.plain_cost if verify_tokens == len(rows) else self.verify_cost).add(verify_tokens, verify_s)
+        self._account(len(rows), sum(n), draft_s + verify_s)
         if self.drafted:
             self.draft_cost.add(self.draft_tokens, draft_s)
         for row, (source, conf, table, chain), k, got in zip(rows, self.last, ks, n, strict=True):
@@ -473,6 +509,18 @@ class AdaptiveProposer(Proposer):
             self.wait, self.backoff = 0, 1
         else:
             self.wait, self.backoff = self.backoff, min(64, 2 * self.backoff)
+
+    def _account(self, rows: int, committed: int, seconds: float) -> None:
+        """The probes' purse (see `credit`): every step adds PROBE_BUDGET of its time, a draft step what it
+        won (or lost) against plain decoding's time for its `committed` tokens; capped at CREDIT_STEPS
+        plain steps, so that winnings long past do not pay for probes in a batch where drafting loses."""
+        costs = self.costs(rows)
+        if costs is None:
+            return
+        self.credit += PROBE_BUDGET * seconds
+        if self.drafted:
+            self.credit += costs[0] * committed / rows - seconds
+        self.credit = min(self.credit, CREDIT_STEPS * costs[0])
 
 
 def _leading(committed: list[int], chain: list[int]) -> int:

@@ -183,7 +183,10 @@ class Engine:
         if self.proposer is not None:
             self.proposer.accept(feats, n)
             if proposed:
-                self.proposer.observe(rows, ks, n, t1 - t0, t2 - t1, block.numel())
+                tokens = (
+                    sum(ks) + len(rows) if self.batch.ragged else block.numel()
+                )  # what the verify computed
+                self.proposer.observe(rows, ks, n, t1 - t0, t2 - t1, tokens)
         self.stats["forwards"] += 1
         self.stats["verify_steps"] += len(rows)
         self.stats["committed"] += sum(n)

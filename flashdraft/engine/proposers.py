@@ -104,30 +104,31 @@ class NgramProposer(Proposer):
         self._index: weakref.WeakKeyDictionary[Row, tuple[list[int], dict]] = weakref.WeakKeyDictionary()
 
     def propose_row(self, row, k):
-        return self.lookup(row, k)[0], None
+        return torch.tensor(self.lookup(row, k)[0], dtype=torch.long), None
 
-    def lookup(self, row: Row, k: int) -> tuple[torch.Tensor, int]:
-        """(up to k tokens, the length of the n-gram that matched; 0 and no tokens: no match)."""
+    def lookup(self, row: Row, k: int) -> tuple[list[int], int]:
+        """(up to k tokens, the length of the n-gram that matched; 0 and no tokens: no match). A list:
+        adaptive speculation looks up every row every step and verifies few of them."""
         seq, after = self._indexed(row)
         n_tok = len(seq)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             begin = after.get(tuple(seq[n_tok - n :]))
             if begin is not None:
-                return torch.tensor(seq[begin : begin + k], dtype=torch.long), n
-        return NOTHING, 0
+                return seq[begin : begin + k], n
+        return [], 0
 
     def _indexed(self, row: Row) -> tuple[list[int], dict]:
         """The row's tokens (prompt and committed) and its n-gram index, brought up to date."""
         seq, after = self._index.get(row) or ([], {})
         p, n_tok = len(row.prompt), len(row.prompt) + len(row.tokens)
-        if len(seq) > n_tok:
+        if len(seq) > n_tok or not seq:
             seq, after = [], {}
+            self._index[row] = (seq, after)  # grown in place from here on
         old = len(seq)
         seq += (row.prompt + row.tokens)[old:] if old < p else row.tokens[old - p :]
         for j in range(max(old, 1), n_tok):  # token j follows the n-grams that end just before it
             for n in range(1, min(self.max_ngram, j) + 1):
                 after[tuple(seq[j - n : j])] = j
-        self._index[row] = (seq, after)
         return seq, after
 
 

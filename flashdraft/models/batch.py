@@ -28,6 +28,7 @@ class BatchState(Protocol):
     """What the engine asks of a target's batch (`TargetBatch` implements it for every target)."""
 
     rows: int  # rows running, in batch order
+    ragged: bool  # a verify computes each row's own 1 + ks[b] tokens only: its cost follows their sum
 
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor] | None, BatchState]:
         """New rows' prompts in one forward: their last logits (n, V), each row's prompt features (or
@@ -41,7 +42,7 @@ class BatchState(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over every row's [anchor, drafts] block (B, W): row b's first 1 + ks[b] slots, at
         positions anchor.. (a chain) or anchor + depth (`trees`: `flashdraft.engine.tree.Tree`s, the
-        drafts in node order). Logits (B, W, V) and features."""
+        drafts in node order). Logits (B, W, V) and features; past a row's 1 + ks[b] slots, not defined."""
 
     def commit(self, n: list[int], paths: list[list[int]] | None, feats: torch.Tensor | None):
         """After `verify`: row b keeps its anchor and its accepted drafts, n[b] slots; with trees, the
@@ -149,6 +150,7 @@ class TargetBatch:
         self.cache = None
         self.slots = Slots(device=target.device)
         self._block_pos: torch.Tensor | None = None  # (B, W) where the last verify's slots land
+        self.ragged = getattr(target, "ragged", False)
 
     @property
     def rows(self) -> int:
@@ -221,7 +223,12 @@ class TargetBatch:
                 mask = masks.restrict_to_tree(mask, anc)
             # after the commit a row's kept slots hold anchor.. in order (a tree's path moved to the front)
             self._block_pos = new_kpos if trees is None else at + steps
-        return self.target.forward(block, q_pos, self.cache, features=self.features, attention_mask=mask)
+        # a row's padding past its 1 + k tokens: not computed where the target is ragged (only such a
+        # target is asked to take `lengths`)
+        ragged = {"lengths": [k + 1 for k in ks]} if self.ragged and min(ks) + 1 < width else {}
+        return self.target.forward(
+            block, q_pos, self.cache, features=self.features, attention_mask=mask, **ragged
+        )
 
     def commit(self, n, paths=None, feats=None):
         order = None if paths is None else path_order(paths, self.target.device)

@@ -222,6 +222,8 @@ class Target:
             window = None
         return masks.positional(q_pos, k_pos, self.dtype, window or None, kinds=bool(types))
 
+    ragged = False  # a forward computes every row's padding too (see `forward`'s `lengths`)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -230,10 +232,13 @@ class Target:
         logits_to_keep: int = 0,
         features: Sequence[int] | None = None,
         attention_mask=None,
+        lengths: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T or logits_to_keep, V) and, if `features` lists decoder layers (0-based; the last
         one means the final-normed output), their outputs for the new tokens, concatenated in that order
-        (B, T, n*H). `attention_mask`: None (causal) or what `attention_mask()` gives."""
+        (B, T, n*H). `attention_mask`: None (causal) or what `attention_mask()` gives. `lengths` (B):
+        only row b's first lengths[b] tokens are needed, the rest is padding whose outputs are not
+        defined (here they are computed anyway: `ragged` is False)."""
         if features:
             self._hook_layers(features)
             self._wanted = frozenset(features)

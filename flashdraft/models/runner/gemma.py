@@ -129,8 +129,17 @@ class Runner(nn.Module):
         query)."""
         return masks.positional(q_pos, k_pos, window=self.window, kinds=True)
 
+    ragged = False  # every token of the block is computed, `lengths` or not
+
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, mask, wanted
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        mask,
+        wanted,
+        lengths=None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The final-normed hidden states (B, T, H) and the outputs of the `wanted` layers. `mask`:
         what `attention_mask` gives (`RunnerTarget.forward` always passes one: `windowed`)."""

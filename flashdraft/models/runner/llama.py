@@ -182,16 +182,29 @@ class Runner(nn.Module):
         (see `Target.attention_mask`; a dead slot has a position past every query)."""
         return masks.positional(q_pos, k_pos)
 
+    @property
+    def ragged(self) -> bool:
+        """Whether a forward computes only each row's `lengths` tokens (the C++ layers), not its padding."""
+        return self.handle is not None and self.fused
+
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, mask, wanted
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        mask,
+        wanted,
+        lengths=None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The final-normed hidden states (B, T, H) and the outputs of the `wanted` layers."""
+        """The final-normed hidden states (B, T, H) and the outputs of the `wanted` layers. `lengths` (B):
+        only row b's first lengths[b] tokens are needed (where `ragged`, only they are computed)."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions, x.dtype)
-        if self.handle is not None and self.fused:
+        if self.ragged:
             ids = sorted(wanted)
             out = torch.ops.flashdraft.llama_forward(
-                self.handle, x, cos, sin, cache.k, cache.v, start, mask, ids, kernels.path()
+                self.handle, x, cos, sin, cache.k, cache.v, start, mask, lengths, ids, kernels.path()
             )
             return rms_norm(out[0], self.norm, self.eps), dict(zip(ids, out[1:], strict=True))
         caught = {}

@@ -121,9 +121,11 @@ class RunnerTarget:
         logits_to_keep: int = 0,
         features: Sequence[int] | None = None,
         attention_mask=None,
+        lengths: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As `Target.forward`: logits (B, T or logits_to_keep, V) and the features of the listed
-        layers (the last one: the final-normed output), concatenated (B, T, n*H)."""
+        layers (the last one: the final-normed output), concatenated (B, T, n*H). `lengths`: as
+        `Target.forward`; where the runner is `ragged`, a row's padding is not computed at all."""
         bad = [i for i in features or () if not 0 <= i < self.num_layers]
         if bad:
             raise TargetError(
@@ -135,9 +137,22 @@ class RunnerTarget:
             # Causal over slots in position order: slot j holds position j + (positions[0] - start).
             slots = torch.arange(start + t, device=input_ids.device)
             attention_mask = self.attention_mask(positions, slots[None] + (positions[:, :1] - start))
-        x, caught = self.runner(input_ids, positions, cache, start, attention_mask, set(features or ()))
+        n = None if lengths is None else torch.tensor(lengths, dtype=torch.long)
+        x, caught = self.runner(input_ids, positions, cache, start, attention_mask, set(features or ()), n)
         cache.length = start + t
         caught[self.num_layers - 1] = x  # as transformers' hidden_states[-1]: the final-normed output
         feats = torch.cat([caught[i] for i in features], -1) if features else None
+        if n is not None and not logits_to_keep:  # the head on the rows' own tokens alone
+            live = (torch.arange(t) < n[:, None]).view(-1).nonzero().squeeze(1).to(x.device)
+            logits = self.runner.head(x.reshape(b * t, -1).index_select(0, live))
+            return logits.new_zeros(b * t, logits.shape[-1]).index_copy_(0, live, logits).view(
+                b, t, -1
+            ), feats
         keep = x[:, -logits_to_keep:].contiguous() if 0 < logits_to_keep < t else x
         return self.runner.head(keep), feats
+
+    @property
+    def ragged(self) -> bool:
+        """Whether a forward with `lengths` computes only the rows' own tokens (its cost follows their
+        sum, not rows x the longest)."""
+        return self.runner.ragged

@@ -386,6 +386,15 @@ struct Work {
   int64_t b, t, start, cap, path;
   const float* mask;
   bool causal = true;  // false: every query sees every slot up to its block's end (the DFlash draft)
+  // A ragged forward (rows of different lengths) keeps only the live tokens, packed: activation row j
+  // is token slot[j] of the (b, t) block, and token r is row packed[r] (-1: dead, not computed). Both
+  // null: every token is live, j = r.
+  const int64_t* slot = nullptr;
+  const int64_t* packed = nullptr;
+  int64_t live = 0;  // activation rows: b * t, or the live tokens
+
+  int64_t token(int64_t j) const { return slot ? slot[j] : j; }
+  int64_t row(int64_t r) const { return packed ? packed[r] : r; }
 };
 
 // y = x W^T (+ bias) from x's quantized blocks `a`, a tile of 16 columns at a time, guided as
@@ -418,13 +427,15 @@ void team_attention(const Model& m, Work& w, Scratch& scratch) {
     int64_t visible[16];
     const int64_t row = item / (kvh * chunks), g = (item / chunks) % kvh, c0 = (item % chunks) * chunk;
     int n = 0;
-    for (int64_t k = c0; k < std::min(nq, c0 + chunk); ++k, ++n) {  // query k: token k / group, head
-      const int64_t tok = k / group, head = g * group + k % group, r = row * t + tok;
-      qs[n] = w.qkv + r * width + head * d;
-      outs[n] = w.att + r * h * d + head * d;
+    for (int64_t k = c0; k < std::min(nq, c0 + chunk); ++k) {  // query k: token k / group, head
+      const int64_t tok = k / group, head = g * group + k % group, r = row * t + tok, j = w.row(r);
+      if (j < 0) continue;  // a dead token of a ragged forward
+      qs[n] = w.qkv + j * width + head * d;
+      outs[n] = w.att + j * h * d + head * d;
       masks[n] = w.mask ? w.mask + r * end : nullptr;
-      visible[n] = w.causal ? w.start + tok : w.start + t - 1;
+      visible[n++] = w.causal ? w.start + tok : w.start + t - 1;
     }
+    if (!n) continue;
     const int64_t base = (row * kvh + g) * w.cap * d, kend = w.mask ? end : visible[n - 1] + 1;
     attend(m, qs, n, w.kp + base, w.vp + base, kend, visible, masks, outs, w.path != REFERENCE, scratch);
   }
@@ -434,7 +445,7 @@ void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden);
 
 // One layer over w.x (rows = b * t, hidden), in place; every thread of the team calls it.
 void layer_team(const Model& m, const Layer& L, Work& w, int64_t hidden, Scratch& scratch) {
-  const int64_t rows = w.b * w.t, h = m.heads, kvh = m.kv_heads, d = m.head_dim, width = (h + 2 * kvh) * d;
+  const int64_t rows = w.live, h = m.heads, kvh = m.kv_heads, d = m.head_dim, width = (h + 2 * kvh) * d;
   const int64_t path = w.path;
   const bool vector = path != REFERENCE;
 #pragma omp for
@@ -445,8 +456,8 @@ void layer_team(const Model& m, const Layer& L, Work& w, int64_t hidden, Scratch
   team_gemm(w.hidden, L.qkv, w.qkv, path);  // (rows, (h + 2 kvh) d)
 #pragma omp for
   for (int64_t i = 0; i < rows * (h + kvh); ++i) {  // q and k heads: Qwen3's norms, RoPE; keys, values cached
-    const int64_t r = i / (h + kvh), head = i % (h + kvh);
-    bf16* v = w.qkv + r * width + head * d;
+    const int64_t j = i / (h + kvh), head = i % (h + kvh), r = w.token(j);
+    bf16* v = w.qkv + j * width + head * d;
     if (L.qnorm.numel())
       rms_norm(v, (head < h ? L.qnorm : L.knorm).data_ptr<bf16>(), v, 1, d, d, m.eps, vector);
     rope(v, w.cos + r * d, w.sin + r * d, d, vector);
@@ -463,7 +474,7 @@ void layer_team(const Model& m, const Layer& L, Work& w, int64_t hidden, Scratch
 // After the attention: the output projection and residual, the norm, the MLP and its residual, over
 // the rows of w.x.
 void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden) {
-  const int64_t rows = w.b * w.t, inter = L.gate_up.n / 2, path = w.path;
+  const int64_t rows = w.live, inter = L.gate_up.n / 2, path = w.path;
   const bool vector = path != REFERENCE;
 #pragma omp for
   for (int64_t r = 0; r < rows; ++r) quantize_row(w.att, m.heads * m.head_dim, r, w.heads, path);
@@ -558,25 +569,44 @@ void llama_free(int64_t handle) {
 
 // The layers over x (b, t, hidden) bf16 with RoPE tables cos / sin (b, t, 1, head_dim), writing the
 // new keys and values at slots start.. of each layer's cache (b, kv_heads, capacity, head_dim);
-// `mask` (b, 1, t, start + t) additive float32, or none for causal order. Returns the last layer's
-// output, then the outputs of the layers in `wanted`.
+// `mask` (b, 1, t, start + t) additive float32, or none for causal order. `lengths` (b) int64, or none:
+// row i's first lengths[i] tokens are computed, the rest are dead (a verify of chains or trees of
+// different sizes: the rows' padding costs nothing; their outputs are zeros, their cache slots are not
+// written). Returns the last layer's output, then the outputs of the layers in `wanted`.
 std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                       const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                                       int64_t start, const c10::optional<at::Tensor>& mask,
-                                      const std::vector<int64_t>& wanted, int64_t path) {
+                                      const c10::optional<at::Tensor>& lengths, const std::vector<int64_t>& wanted,
+                                      int64_t path) {
   const Model& m = model(handle);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "llama_forward: x must be bf16 (b, t, hidden)");
   TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "llama_forward: a cache a layer");
   const int64_t b = x.size(0), t = x.size(1);
   if (path == AUTO) path = best_path();
-  at::Tensor h = x.reshape({b * t, x.size(2)}).clone();
+  std::vector<int64_t> slot, packed;  // a ragged forward's maps (see `Work`)
+  if (lengths && lengths->defined()) {
+    TORCH_CHECK(lengths->scalar_type() == at::kLong && lengths->numel() == b, "llama_forward: lengths must be int64 (b)");
+    const at::Tensor n = lengths->contiguous();
+    packed.assign(b * t, -1);
+    for (int64_t i = 0; i < b; ++i) {
+      TORCH_CHECK(n.data_ptr<int64_t>()[i] >= 1 && n.data_ptr<int64_t>()[i] <= t, "llama_forward: lengths must be 1..t");
+      for (int64_t tok = 0; tok < n.data_ptr<int64_t>()[i]; ++tok) {
+        packed[i * t + tok] = int64_t(slot.size());
+        slot.push_back(i * t + tok);
+      }
+    }
+  }
+  const bool ragged = !slot.empty();
+  const at::Tensor index = ragged ? at::tensor(slot, at::kLong) : at::Tensor();
+  at::Tensor h = x.reshape({b * t, x.size(2)});
+  h = ragged ? h.index_select(0, index) : h.clone();
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   at::Tensor mk;
   if (mask && mask->defined()) {
     mk = mask->to(at::kFloat).contiguous();
     TORCH_CHECK(mk.numel() == b * t * (start + t), "llama_forward: the mask must be (b, 1, t, start + t)");
   }
-  const int64_t rows = b * t, hidden = x.size(2), n = int64_t(m.layers.size());
+  const int64_t rows = h.size(0), hidden = x.size(2), n = int64_t(m.layers.size());
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].size(0) == b &&
                     keys[i].size(2) >= start + t && keys[i].scalar_type() == at::kBFloat16,
@@ -590,6 +620,8 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
          gu.data_ptr<bf16>(), act.data_ptr<bf16>(), down.data_ptr<bf16>(), {}, {}, {},
          c.data_ptr<bf16>(), s.data_ptr<bf16>(), nullptr, nullptr, b, t, start, keys[0].size(2), path,
          mk.defined() ? mk.data_ptr<float>() : nullptr};
+  w.live = rows;
+  if (ragged) w.slot = slot.data(), w.packed = packed.data();
   w.hidden.resize(rows, hidden);
   w.heads.resize(rows, heads);
   w.inter.resize(rows, inter);
@@ -597,7 +629,7 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
   std::vector<bf16*> copies(n, nullptr);  // where the wanted layers' outputs go
   for (int64_t i : wanted) {
     TORCH_CHECK(i >= 0 && i < n, "llama_forward: no layer ", i);
-    out.push_back(at::empty_like(x));
+    out.push_back(ragged ? at::zeros_like(x) : at::empty_like(x));
     copies[i] = out.back().data_ptr<bf16>();
   }
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -612,11 +644,11 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
       layer_team(m, m.layers[i], w, hidden, scratch);
       if (copies[i]) {
 #pragma omp for
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(copies[i] + r * hidden, w.x + r * hidden, hidden * sizeof(bf16));
+        for (int64_t j = 0; j < rows; ++j) std::memcpy(copies[i] + w.token(j) * hidden, w.x + j * hidden, hidden * sizeof(bf16));
       }
     }
   }
-  out[0] = h.view(x.sizes());
+  out[0] = ragged ? at::zeros_like(x).view({b * t, hidden}).index_copy_(0, index, h).view(x.sizes()) : h.view(x.sizes());
   return out;
 }
 
@@ -661,6 +693,7 @@ at::Tensor draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& 
          gu.data_ptr<bf16>(), act.data_ptr<bf16>(), down.data_ptr<bf16>(), {}, {}, {},
          c1.data_ptr<bf16>(), s1.data_ptr<bf16>(), nullptr, nullptr, b, t, start + c, keys[0].size(2), path,
          mk.defined() ? mk.data_ptr<float>() : nullptr, false};
+  w.live = rows;
   w.hidden.resize(rows, hidden);
   w.heads.resize(rows, heads);
   w.inter.resize(rows, inter);
@@ -689,7 +722,7 @@ TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
         &llama_new);
   m.def("llama_free(int handle) -> ()", &llama_free);
   m.def("llama_forward(int handle, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int start, "
-        "Tensor? mask, int[] wanted, int path) -> Tensor[]",
+        "Tensor? mask, Tensor? lengths, int[] wanted, int path) -> Tensor[]",
         &llama_forward);
   m.def("draft_forward(int handle, Tensor x, Tensor ctx, Tensor cos, Tensor sin, Tensor ccos, Tensor csin, "
         "Tensor[] keys, Tensor[] values, int start, Tensor? mask, int path) -> Tensor",
