@@ -42,25 +42,22 @@ def ints(text: str) -> list[int]:
     return values
 
 
-def measure(target, draft, blocks, trees, batch_size, prompts, config, rounds: int) -> dict:
+def measure(target, draft, blocks, trees, batch_size, prompts, config, rounds: int, lockstep=False) -> dict:
     """Plain, each block size, each tree size and adaptive at one batch size, `rounds` times in a rotating
-    order, so that the machine's drift over minutes reaches every method alike. Per method: the median
-    round's run (by tokens/s), with every round's tokens/s beside it."""
+    order, so that the machine's drift over minutes reaches every method alike (`lockstep`: all at
+    once, step by step). Per method: the median round's run (by tokens/s), with every round's tokens/s
+    beside it."""
     methods = ["plain", *map(str, blocks), *(f"tree-{n}" for n in trees), "adaptive"]
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     for r in range(rounds):
-        for m in methods[r % len(methods) :] + methods[: r % len(methods)]:
-            if m == "plain":
-                runs[m].append(run(target, None, None, batch_size, prompts, config))
-            elif m == "adaptive":
-                runs[m].append(run(target, draft, max(blocks), batch_size, prompts, config, adaptive=True))
-            elif m.startswith("tree-"):
-                tree = int(m.removeprefix("tree-"))
-                runs[m].append(
-                    run(target, draft, draft.config.block_size, batch_size, prompts, config, tree=tree)
-                )
-            else:
-                runs[m].append(run(target, draft, int(m), batch_size, prompts, config))
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
+        engines = {m: make_engine(target, draft, m, max(blocks), batch_size) for m in order}
+        if lockstep:
+            done = in_lockstep(engines, prompts, config)
+        else:
+            done = {m: drive(e, prompts, config) for m, e in engines.items()}
+        for m in order:
+            runs[m].append(done[m])
     out = {}
     for m, rs in runs.items():
         median = sorted(rs, key=lambda x: x["tokens_per_s"])[len(rs) // 2]
@@ -84,16 +81,27 @@ def chat_prompts(target, dataset: str, n: int) -> list[list[int]]:
     return [chat_ids(tok, ex.messages()) for ex in examples]
 
 
-def run(target, draft, block_size, batch_size, prompts, config, adaptive=False, tree=0) -> dict:
-    """All prompts through one decoder with at most batch_size rows; throughput and acceptance.
-    `adaptive`: the draft behind adaptive speculation (a fresh proposer: it measures this batch size);
-    `tree`: trees of that many drafted tokens."""
-    if adaptive:
+def make_engine(target, draft, method: str, block_size: int, batch_size: int) -> Engine:
+    """A decoder with at most batch_size rows for a method: "plain", a block size ("8"), a tree size
+    ("tree-3") or "adaptive" (a fresh proposer: it measures this batch size)."""
+    if method == "plain":
+        return Engine(target, None, 1, max_batch_size=batch_size)
+    if method == "adaptive":
         proposer = make_proposer(draft, target, speculation="adaptive")
-        dec = Engine(target, block_size=block_size, max_batch_size=batch_size, proposer=proposer)
-    else:
-        proposer = None if draft is None else DFlashProposer(draft, target, tree=tree)
-        dec = Engine(target, proposer, block_size, max_batch_size=batch_size)
+        return Engine(target, proposer, block_size, max_batch_size=batch_size)
+    if method.startswith("tree-"):
+        proposer = DFlashProposer(draft, target, tree=int(method.removeprefix("tree-")))
+        return Engine(target, proposer, draft.config.block_size, max_batch_size=batch_size)
+    return Engine(target, DFlashProposer(draft, target), int(method), max_batch_size=batch_size)
+
+
+def run(target, draft, block_size, batch_size, prompts, config) -> dict:
+    """All prompts through one DFlash decoder at a fixed block size (the warm-up)."""
+    return drive(make_engine(target, draft, str(block_size), block_size, batch_size), prompts, config)
+
+
+def drive(dec: Engine, prompts, config) -> dict:
+    """All prompts through one decoder; throughput (wall time, prefills included) and acceptance."""
     out: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
@@ -101,7 +109,32 @@ def run(target, draft, block_size, batch_size, prompts, config, adaptive=False, 
     while dec.pending():
         for o in dec.step():
             out.setdefault(o.request_id, []).extend(o.tokens)
-    wall = time.perf_counter() - start
+    return result(dec, out, time.perf_counter() - start)
+
+
+def in_lockstep(engines: dict[str, Engine], prompts, config) -> dict[str, dict]:
+    """All prompts through every decoder at once: one step of each in turn (the order reversed every
+    step), each timing its own steps, so that the machine's drift (15-25% over minutes on a 2-core VM,
+    and within seconds too) reaches every method alike and the ratios stay put (batch 4, adaptive
+    against plain: 0.93 twice in lockstep, 0.84-0.94 in runs one after the other)."""
+    outs: dict[str, dict[str, list[int]]] = {m: {} for m in engines}
+    seconds = dict.fromkeys(engines, 0.0)
+    for dec in engines.values():
+        for i, ids in enumerate(prompts):
+            dec.add(str(i), ids, config)
+    order = list(engines)
+    while any(dec.pending() for dec in engines.values()):
+        for m in order:
+            if engines[m].pending():
+                t0 = time.perf_counter()
+                for o in engines[m].step():
+                    outs[m].setdefault(o.request_id, []).extend(o.tokens)
+                seconds[m] += time.perf_counter() - t0
+        order.reverse()
+    return {m: result(engines[m], outs[m], seconds[m]) for m in engines}
+
+
+def result(dec: Engine, out: dict[str, list[int]], wall: float) -> dict:
     tokens = sum(len(t) for t in out.values())
     return {
         "tokens": tokens,
@@ -109,7 +142,7 @@ def run(target, draft, block_size, batch_size, prompts, config, adaptive=False, 
         "tokens_per_s": tokens / wall,
         "tau": dec.stats["tau"],
         "target_forwards": dec.stats["forwards"] + dec.stats["prefills"],
-        "outputs": [out[str(i)] for i in range(len(prompts))],
+        "outputs": [out[str(i)] for i in range(len(out))],
     }
 
 
@@ -131,6 +164,11 @@ def main():
     ap.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--rounds", type=int, default=1, help="runs per method and batch size, interleaved")
+    ap.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="every method at once, one step of each in turn, each timing its own steps (less drift)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.prompts < max(args.batch_sizes):
@@ -156,7 +194,7 @@ def main():
     rows = []
     methods = [*blocks, *(f"tree-{n}" for n in args.trees), "adaptive"]
     for bs in args.batch_sizes:
-        runs = measure(target, draft, blocks, args.trees, bs, prompts, config, args.rounds)
+        runs = measure(target, draft, blocks, args.trees, bs, prompts, config, args.rounds, args.lockstep)
         plain = runs.pop("plain")
         row = {"batch_size": bs, "plain": {k: v for k, v in plain.items() if k != "outputs"}, "dflash": {}}
         for block in methods:

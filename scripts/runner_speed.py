@@ -4,7 +4,9 @@
         [--variants transformers,int8,q8_0,q4_1+q8_0]
 
 Times, over a cache of ~200 tokens: a one-token step, verifies of 4, 8 and 16 tokens, a step of a
-batch of 8 rows, and a prompt of 512 tokens from an empty cache. Variants: `transformers` (bf16), or
+batch of 8 rows, a verify of 4 tokens a row for 8 rows, the same where only one row needs its 4
+(`ragged`: the others need their anchor alone, as in adaptive speculation's batches; a ragged
+runner does not compute their padding), and a prompt of 512 tokens from an empty cache. Variants: `transformers` (bf16), or
 the runner's weights: none (dense bf16), int8 / int4 (torch's kernels), q8_0 / q4_1 (ours; `L+H`
 for layers and head apart, e.g. q4_1+q8_0, the built-in SmolLM2's own GGUF types). They run
 interleaved, round after round (this kind of VM drifts by 15-25% over minutes), and the table shows
@@ -23,7 +25,16 @@ import torch
 from flashdraft.models.load import load_target
 from flashdraft.models.runner import Quantization, RunnerTarget, kernels
 
-SHAPES = {"step": (1, 1), "verify-4": (1, 4), "verify-8": (1, 8), "verify-16": (1, 16), "batch-8": (8, 1)}
+# name: (rows, tokens a row, the tokens each row needs: None, all of them)
+SHAPES = {
+    "step": (1, 1, None),
+    "verify-4": (1, 4, None),
+    "verify-8": (1, 8, None),
+    "verify-16": (1, 16, None),
+    "batch-8": (8, 1, None),
+    "b8-verify-4": (8, 4, None),
+    "b8-ragged-4": (8, 4, [4] + [1] * 7),
+}
 
 
 def build(ref, spec: str):
@@ -61,12 +72,12 @@ def main() -> None:
                 t.forward(prompt[:b, : args.context], torch.arange(args.context).expand(b, -1), c)
         for _ in range(args.rounds):
             for name, t in variants.items():
-                for shape, (b, m) in SHAPES.items():
+                for shape, (b, m, lengths) in SHAPES.items():
                     c = caches[name, b]
                     for _ in range(args.steps):
                         pos = torch.arange(args.context, args.context + m).expand(b, -1)
                         t0 = time.perf_counter()
-                        t.forward(new[:b, :m], pos, c)
+                        t.forward(new[:b, :m], pos, c, lengths=lengths)
                         times[name, shape].append(time.perf_counter() - t0)
                         t.crop(c, args.context)
                 fresh = t.new_cache(sliding=False)
@@ -82,14 +93,15 @@ def main() -> None:
     print(
         f"| {'variant':<16} | "
         + " | ".join(f"{c} ms" for c in cols)
-        + " | verify-8 / step | verify-16 / step |"
+        + " | verify-8 / step | verify-16 / step | b8-ragged-4 / batch-8 |"
     )
-    print(f"|{'-' * 18}|" + "|".join("-" * (len(c) + 5) for c in cols) + "|---|---|")
+    print(f"|{'-' * 18}|" + "|".join("-" * (len(c) + 5) for c in cols) + "|---|---|---|")
     for name in variants:
         ms = {c: statistics.median(times[name, c]) * 1e3 for c in cols}
         row = " | ".join(f"{ms[c]:{len(c) + 3}.1f}" for c in cols)
         print(
-            f"| {name:<16} | {row} | {ms['verify-8'] / ms['step']:.2f} | {ms['verify-16'] / ms['step']:.2f} |"
+            f"| {name:<16} | {row} | {ms['verify-8'] / ms['step']:.2f} | {ms['verify-16'] / ms['step']:.2f} | "
+            f"{ms['b8-ragged-4'] / ms['batch-8']:.2f} |"
         )
 
 

@@ -36,7 +36,9 @@ reached it, by a calibration table per confidence bin.
   worth two observations per confidence bin.
 - Explore: a row that verified nothing for EXPLORE steps verifies the likeliest first token on offer, so a
   source judged hopeless is measured again (calibration only learns from what is verified). In a batch it
-  does so only on a step that verifies drafted tokens anyway: alone, its one token would cost every row one.
+  does so only on a step that drafts and verifies drafted tokens anyway: alone, its one token would cost
+  every row one on a padded verify, and about a plain token even on a ragged one. So a batch's rows are
+  looked up in the n-gram index only where their match could be verified (`Calibration.best`).
 
 Lossless by construction: a prefix of a proposal is a proposal, and every decision depends on the draft's
 distributions (their peaks), never on the tokens sampled from them nor on the target's answer.
@@ -139,16 +141,19 @@ class LinearCost:
 class StepCost(LinearCost):
     """A LinearCost that also keeps what each size cost (EMA): CPU GEMM kernels take the rows of their
     input in tiles (torch's int8 one by 4: on SmolLM2 a verify of 2-4 tokens costs 1.1 plain steps, of
-    5-8 1.6), so the cost rises in steps, and a line through all sizes misprices the sizes beside one."""
+    5-8 1.6), so the cost rises in steps, and a line through all sizes misprices the sizes beside one.
+    Kept by rows too: 9 tokens of one row (a batch's drained tail) cost less than 8 rows' anchors and
+    one drafted token (each row's cache read in the attention), and pricing the batch's verifies by the
+    tail's made n-gram lookup verify at a loss in batches (4-16 rows: 2-5% below it without)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.by_size: dict[float, float] = {}
+        self.by_size: dict[tuple[int, float], float] = {}  # (rows, tokens) -> seconds
 
-    def add(self, n: float, seconds: float) -> None:
+    def add(self, n: float, seconds: float, rows: int = 1) -> None:
         super().add(n, seconds)
-        old = self.by_size.get(n)
-        self.by_size[n] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        old = self.by_size.get((rows, n))
+        self.by_size[rows, n] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
 
 class Calibration:
@@ -163,6 +168,10 @@ class Calibration:
             [0.5] * BINS if prior is None else [h / n for h, n in zip(prior.hits, prior.seen, strict=True)]
         )
         self.hits, self.seen = [r * weight for r in rates], [weight] * BINS
+
+    def best(self) -> float:
+        """The chance of the likeliest bin: no token of this table is kept below it."""
+        return max(h / n for h, n in zip(self.hits, self.seen, strict=True))
 
     @staticmethod
     def bin(conf: float) -> int:
@@ -222,6 +231,8 @@ class AdaptiveProposer(Proposer):
         self.plain_cost = LinearCost()  # steps that verified no proposal: one token per row
         self.prefill_cost = LinearCost()  # prefills: the only forwards timed before the first step
         self.draft_cost = LinearCost()  # draft calls, by the tokens they ran (`Proposer.draft_tokens`)
+        # seconds a verified token costs beyond a plain step of the same rows (EMA; `verify_s`)
+        self.per_token: float | None = None
         self.draft_tokens = 0  # what this step's draft call runs
         self.calibration = Calibration()  # the draft's, across requests (n-gram lookup's is per request)
         self.ngram_typical = Calibration()  # n-gram lookup's across requests: a new request's prior
@@ -273,19 +284,22 @@ class AdaptiveProposer(Proposer):
         return plain_s, plain_s - b * rows, b
 
     def threshold(self, rows: int) -> float:
-        """The chance of acceptance one more verified token must have: b * (plain rate of the batch)."""
+        """The chance of acceptance one more verified token must have: b * (plain rate of the batch), b
+        what a token costs beyond a plain step (`per_token`, else the verify line's slope)."""
         costs = self.costs(rows)
         if costs is None:
             return 0.0
         plain, _, b = costs
-        return b * rows / plain
+        return (self.per_token or b) * rows / plain
 
     def verify_s(self, tokens: int, rows: int = 1) -> float | None:
         """Seconds of a verify forward over `tokens` tokens (`rows` rows together): as measured at that size
-        where it was (see `StepCost`), else from the line a + b * tokens."""
-        if tokens in self.verify_cost.by_size:
-            return self.verify_cost.by_size[tokens]
+        and batch where it was (see `StepCost`), else from the line a + b * tokens."""
+        if (rows, tokens) in self.verify_cost.by_size:
+            return self.verify_cost.by_size[rows, tokens]
         costs = self.costs(rows)
+        if costs is not None and self.per_token is not None:
+            return costs[0] + self.per_token * (tokens - rows)  # a plain step of these rows, and the rest
         return None if costs is None else costs[1] + costs[2] * tokens
 
     def pays(self, rows: int, gain: float, tokens: int) -> bool:
@@ -312,9 +326,11 @@ class AdaptiveProposer(Proposer):
             if seconds is not None and (rows + gain) / seconds > best_rate:
                 best, best_gain, best_rate, best_tokens = length, gain, (rows + gain) / seconds, tokens
         if not self.pays(rows, best_gain, best_tokens or self.verified(picks, best)):
-            # An exploring row verifies its token on its own only alone or on a ragged target: a padded
-            # verify would make all rows verify one more token (B=16: 0.78x plain).
-            return [p if p.exploring and (rows == 1 or self.ragged) else NONE for p in picks]
+            # An exploring row verifies its token on its own only alone: a padded verify would make all
+            # rows verify one more token (B=16: 0.78x plain), and even a ragged one costs about a plain
+            # token a row from 4 rows on (the verify is bound by its arithmetic), so rows exploring every
+            # EXPLORE steps would cost the batch ~B/EXPLORE tokens a step (B=8: 0.90x plain).
+            return [p if p.exploring and rows == 1 else NONE for p in picks]
         return [
             p if len(p.tokens) <= best else _trim(p, c, best) for p, c in zip(picks, chances, strict=True)
         ]
@@ -382,11 +398,19 @@ class AdaptiveProposer(Proposer):
             probe or self.wants_draft(list(self.rows.values()), draft_s)
         )
         self.wait = max(0, self.wait - 1)
-        ng = None
-        if self.ngram is not None:
-            ng = [self.ngram.lookup(r, k) if k else ([], 0) for r, k in zip(rows, ks, strict=True)]
-        df = self.dflash.propose(rows, ks) if self.drafted else None
         theta = self.threshold(len(rows))
+        ng = None
+        if self.ngram is not None and len(rows) == 1:
+            # Alone only: in a batch a verified token costs about what a plain one does (the verify is
+            # bound by its arithmetic from 4 rows on) and n-gram tokens are accepted too rarely to pay
+            # (humaneval, 64 prompts at batch 8: 65% of them, 0.95x plain; without them 1.00x). A row is
+            # looked up only where its match could be verified: its table's best bin clears the cut, or
+            # it explores.
+            (row,), (k,) = rows, ks
+            st = self.rows[row]
+            could = k and (st.ngram.best() >= theta or st.idle >= EXPLORE)
+            ng = [self.ngram.lookup(row, k) if could else ([], 0)]
+        df = self.dflash.propose(rows, ks) if self.drafted else None
         picks = []
         for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
             st, options = self.rows[row], []
@@ -483,7 +507,17 @@ class AdaptiveProposer(Proposer):
 
     def observe(self, rows, ks, n, draft_s: float, verify_s: float, verify_tokens: int) -> None:
         """After the verify: row b verified ks[b] drafted tokens and committed n[b]."""
-        (self.plain_cost if verify_tokens == len(rows) else self.verify_cost).add(verify_tokens, verify_s)
+        if verify_tokens == len(rows):
+            self.plain_cost.add(verify_tokens, verify_s)
+        else:
+            self.verify_cost.add(verify_tokens, verify_s, len(rows))
+            # What the tokens beyond one a row cost: a line through verifies of every batch size priced
+            # 8 rows' verifies by the drained tail's one-row ones (a token at 0.5 ms where it cost 1.2-1.5
+            # on the CPU of docs/speed.md), and verified n-gram tokens that could not pay.
+            costs = self.costs(len(rows))
+            if costs is not None:
+                extra = max(0.0, verify_s - costs[0]) / (verify_tokens - len(rows))
+                self.per_token = extra if self.per_token is None else 0.9 * self.per_token + 0.1 * extra
         self._account(len(rows), sum(n), draft_s + verify_s)
         if self.drafted:
             self.draft_cost.add(self.draft_tokens, draft_s)
