@@ -126,7 +126,8 @@ def test_ngram_proposer_is_lossless_and_accepts_on_repetition(tiny_llama):
 def _lookup(seq: list[int], k: int, max_ngram: int = 3, split: int = 4) -> tuple[list[int], int]:
     """NgramProposer.lookup on a row whose prompt is seq[:split] and whose generated tokens the rest."""
     row = Row("x", seq[:split], GenerationConfig(), 8, None, tokens=seq[split:])
-    return NgramProposer(max_ngram=max_ngram, min_ngram=1).lookup(row, k)
+    tokens, n = NgramProposer(max_ngram=max_ngram, min_ngram=1).lookup(row, k)
+    return tokens.tolist(), n
 
 
 def test_ngram_index_follows_the_row_as_it_grows():
@@ -146,7 +147,7 @@ def test_ngram_index_follows_the_row_as_it_grows():
             full = row.prompt + row.tokens
             k = rng.randint(1, 6)
             want, got = _scan(full, k), proposer.lookup(row, k)
-            assert got == want, (trial, full, k)
+            assert (got[0].tolist(), got[1]) == want, (trial, full, k)
 
 
 def _scan(seq: list[int], k: int, max_ngram: int = 3) -> tuple[list[int], int]:

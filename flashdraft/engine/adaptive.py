@@ -1,5 +1,7 @@
 """Adaptive speculation: each step, whether to draft at all and how many drafted tokens to verify, chosen for
-the most committed tokens per second on this machine, with n-gram lookup as a free second proposer.
+the most committed tokens per second on this machine, with n-gram lookup as a free second proposer for a
+request alone (in a batch a verified token costs about a plain one on a CPU, and n-gram matches were
+accepted too rarely to pay there: docs/speed.md).
 
 Costs are measured, not assumed: a verify forward over n tokens (all rows together) takes what it took
 at that n, else a + b*n seconds fitted to the engine's own timings of speculative steps; a plain step (one
@@ -18,8 +20,8 @@ reached it, by a calibration table per confidence bin.
 - Draft or not: a draft call serves every row of the batch at once, so the batch decides: the step drafts
   when the rows' expected gains together (each the running mean of its own past draft steps) are worth
   the draft call and the longer verify, against a plain step of the batch. When they are not, the batch
-  steps plain (or n-gram where a context repeats) and tries the draft again after 1, 2, 4, ... 64 steps,
-  and every row updates its gain from that probe. In a batch, a probe also waits for credit: what draft
+  steps plain (alone: or n-gram where a context repeats) and tries the draft again after 1, 2, 4, ... 64
+  steps, and every row updates its gain from that probe. In a batch, a probe also waits for credit: what draft
   steps won against plain decoding plus PROBE_BUDGET of the time, less what they lost, so that where
   drafting never pays (chat at batch 4-16 on a CPU, where a verify's cost grows with its tokens) probes
   cost at most that share of the run. A probe is made only where a draft step could pay at
@@ -36,9 +38,8 @@ reached it, by a calibration table per confidence bin.
   worth two observations per confidence bin.
 - Explore: a row that verified nothing for EXPLORE steps verifies the likeliest first token on offer, so a
   source judged hopeless is measured again (calibration only learns from what is verified). In a batch it
-  does so only on a step that drafts and verifies drafted tokens anyway: alone, its one token would cost
-  every row one on a padded verify, and about a plain token even on a ragged one. So a batch's rows are
-  looked up in the n-gram index only where their match could be verified (`Calibration.best`).
+  does so only on a step that verifies drafted tokens anyway: its one token would cost every row one on
+  a padded verify, and about a plain token even on a ragged one.
 
 Lossless by construction: a prefix of a proposal is a proposal, and every decision depends on the draft's
 distributions (their peaks), never on the tokens sampled from them nor on the target's answer.
@@ -92,7 +93,7 @@ class Pick(NamedTuple):
     """What a row verifies this step: `tokens` from `source` ("none": nothing), cut to what pays."""
 
     source: str
-    tokens: torch.Tensor | list[int]  # n-gram lookup's stay a list until verified
+    tokens: torch.Tensor
     q: torch.Tensor | None
     conf: list[float]  # the confidences of the tokens kept
     table: Calibration | None  # the calibration that learns from them
@@ -110,9 +111,8 @@ class LinearCost:
         self.decay = 0.5 ** (1 / halflife)
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.prior = prior_b_over_a
-        self._fit: tuple[float, float] | None = (
-            None  # fit()'s answer until the next add: asked ~70 times a step
-        )
+        # fit()'s answer until the next add (asked ~70 times a step)
+        self._fit: tuple[float, float] | None = None
 
     def add(self, n: float, seconds: float) -> None:
         self._fit = None
@@ -143,8 +143,7 @@ class StepCost(LinearCost):
     input in tiles (torch's int8 one by 4: on SmolLM2 a verify of 2-4 tokens costs 1.1 plain steps, of
     5-8 1.6), so the cost rises in steps, and a line through all sizes misprices the sizes beside one.
     Kept by rows too: 9 tokens of one row (a batch's drained tail) cost less than 8 rows' anchors and
-    one drafted token (each row's cache read in the attention), and pricing the batch's verifies by the
-    tail's made n-gram lookup verify at a loss in batches (4-16 rows: 2-5% below it without)."""
+    one drafted token (each row's cache is read in the attention)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -168,10 +167,6 @@ class Calibration:
             [0.5] * BINS if prior is None else [h / n for h, n in zip(prior.hits, prior.seen, strict=True)]
         )
         self.hits, self.seen = [r * weight for r in rates], [weight] * BINS
-
-    def best(self) -> float:
-        """The chance of the likeliest bin: no token of this table is kept below it."""
-        return max(h / n for h, n in zip(self.hits, self.seen, strict=True))
 
     @staticmethod
     def bin(conf: float) -> int:
@@ -403,13 +398,8 @@ class AdaptiveProposer(Proposer):
         if self.ngram is not None and len(rows) == 1:
             # Alone only: in a batch a verified token costs about what a plain one does (the verify is
             # bound by its arithmetic from 4 rows on) and n-gram tokens are accepted too rarely to pay
-            # (humaneval, 64 prompts at batch 8: 65% of them, 0.95x plain; without them 1.00x). A row is
-            # looked up only where its match could be verified: its table's best bin clears the cut, or
-            # it explores.
-            (row,), (k,) = rows, ks
-            st = self.rows[row]
-            could = k and (st.ngram.best() >= theta or st.idle >= EXPLORE)
-            ng = [self.ngram.lookup(row, k) if could else ([], 0)]
+            # (humaneval, 64 prompts at batch 8: 65% of them, 0.95x plain; without them 1.00x).
+            ng = [self.ngram.lookup(rows[0], ks[0]) if ks[0] else (NOTHING, 0)]
         df = self.dflash.propose(rows, ks) if self.drafted else None
         picks = []
         for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
@@ -429,10 +419,7 @@ class AdaptiveProposer(Proposer):
             if p.source != "none":
                 self.stats[f"{p.source}_rows"] += 1
             shaped = self._tree(b, row, p, ks[b])
-            tokens = (
-                p.tokens if isinstance(p.tokens, torch.Tensor) else torch.tensor(p.tokens, dtype=torch.long)
-            )
-            out.append(shaped or (tokens, p.q))
+            out.append(shaped or (p.tokens, p.q))
             self.last.append((p.source, p.conf, p.table, p.tokens.tolist() if shaped else None))
         self.stats["draft_steps" if self.drafted else "skipped_steps"] += 1
         return out
@@ -511,9 +498,9 @@ class AdaptiveProposer(Proposer):
             self.plain_cost.add(verify_tokens, verify_s)
         else:
             self.verify_cost.add(verify_tokens, verify_s, len(rows))
-            # What the tokens beyond one a row cost: a line through verifies of every batch size priced
-            # 8 rows' verifies by the drained tail's one-row ones (a token at 0.5 ms where it cost 1.2-1.5
-            # on the CPU of docs/speed.md), and verified n-gram tokens that could not pay.
+            # What the tokens beyond one a row cost beyond a plain step of these rows: a line through
+            # verifies of every batch size priced 8 rows' verifies by the drained tail's one-row ones (a
+            # token at 0.5 ms where it cost 1.2-1.5 on the CPU of docs/speed.md).
             costs = self.costs(len(rows))
             if costs is not None:
                 extra = max(0.0, verify_s - costs[0]) / (verify_tokens - len(rows))

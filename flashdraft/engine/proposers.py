@@ -104,18 +104,17 @@ class NgramProposer(Proposer):
         self._index: weakref.WeakKeyDictionary[Row, tuple[list[int], dict]] = weakref.WeakKeyDictionary()
 
     def propose_row(self, row, k):
-        return torch.tensor(self.lookup(row, k)[0], dtype=torch.long), None
+        return self.lookup(row, k)[0], None
 
-    def lookup(self, row: Row, k: int) -> tuple[list[int], int]:
-        """(up to k tokens, the length of the n-gram that matched; 0 and no tokens: no match). A list:
-        adaptive speculation looks up every row every step and verifies few of them."""
+    def lookup(self, row: Row, k: int) -> tuple[torch.Tensor, int]:
+        """(up to k tokens, the length of the n-gram that matched; 0 and no tokens: no match)."""
         seq, after = self._indexed(row)
         n_tok = len(seq)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             begin = after.get(tuple(seq[n_tok - n :]))
             if begin is not None:
-                return seq[begin : begin + k], n
-        return [], 0
+                return torch.tensor(seq[begin : begin + k], dtype=torch.long), n
+        return NOTHING, 0
 
     def _indexed(self, row: Row) -> tuple[list[int], dict]:
         """The row's tokens (prompt and committed) and its n-gram index, brought up to date."""
