@@ -205,10 +205,13 @@ FD_CLONES void to_float(const bf16* x, float* y, int64_t n) {
 
 // The dot products of q with 8 keys (k: 8 rows of d floats) into out[0..8).
 __attribute__((target("avx2,fma"))) void dots8_avx2(const float* q, const float* k, int64_t d, float* out) {
+  if (d < 8) __builtin_unreachable();  // head_dim >= 8 (llama_new): the sums stay in registers
   __m256 a[8];
+#pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < d; c += 8) {
     const __m256 qv = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * d + c), a[j]);
   }
   // tree8 of each key's lanes, 8 keys at once: (l0 + l4, l1 + l5, l2 + l6, l3 + l7), then the pairs
@@ -247,17 +250,68 @@ __attribute__((target("avx2,fma"))) int64_t divide_avx2(float* s, int64_t n, flo
   return j;
 }
 
-// A query's softmax over its n scores in place. The sum runs over the slots in order: a row's live
-// slots sit at other places in a batch (left padding, dead drafts), and zeros added in between or
-// after leave a sequential sum's bits alone, where lanes by slot index would not.
-void softmax(float* s, int64_t n, bool vector) {
-  float top = std::numeric_limits<float>::lowest(), sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
-  int64_t j = vector ? exp_avx2(s, n, top) : 0;
+// s[j] = s[j] * scale (+ mask[j]) for the whole groups of 8 (two roundings, as the scalar loop); returns
+// how many it did.
+__attribute__((target("avx2,fma"))) int64_t scale_scores_avx2(float* s, const float* mask, int64_t n, float scale) {
+  const __m256 f = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), f);
+    _mm256_storeu_ps(s + j, mask ? _mm256_add_ps(v, _mm256_loadu_ps(mask + j)) : v);
+  }
+  return j;
+}
+
+// The largest of s[0..n) with `top` (as std::max in order: the maximum of numbers does not depend on
+// their order, and a zero's sign cannot change fexp(s - top) below).
+__attribute__((target("avx2,fma"))) float top_avx2(const float* s, int64_t n, float top) {
+  __m256 m = _mm256_set1_ps(top);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(s + j), m);
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m);
+  for (float x : lanes) top = std::max(top, x);
+  for (; j < n; ++j) top = std::max(top, s[j]);
+  return top;
+}
+
+// A query's scores s[0..n) in place: times the scale, plus its mask (or none), then fexp(s - max), not
+// yet divided by their sum (`softmax` sums them).
+void exp_scores(float* s, int64_t n, const float* mask, float scale, bool vector) {
+  int64_t j = vector ? scale_scores_avx2(s, mask, n, scale) : 0;
+  for (; j < n; ++j) s[j] = mask ? s[j] * scale + mask[j] : s[j] * scale;
+  float top = std::numeric_limits<float>::lowest();
+  if (vector) {
+    top = top_avx2(s, n, top);
+  } else {
+    for (j = 0; j < n; ++j) top = std::max(top, s[j]);
+  }
+  j = vector ? exp_avx2(s, n, top) : 0;
   for (; j < n; ++j) s[j] = fexp(s[j] - top);
-  for (j = 0; j < n; ++j) sum = sum + s[j];
-  j = vector ? divide_avx2(s, n, sum) : 0;
-  for (; j < n; ++j) s[j] = s[j] / sum;
+}
+
+// The softmax of n queries, query i's scores at s + i * stride over its len[i] slots. Each query's sum
+// runs over its slots in order: a row's live slots sit at other places in a batch (left padding, dead
+// drafts), and zeros added in between or after leave a sequential sum's bits alone, where lanes by slot
+// index would not. The queries' sums run side by side (slot by slot, each over zeros past its own
+// slots), so n chains of additions overlap instead of one waiting on the last.
+void softmax(float* s, int n, int64_t stride, const int64_t* len, const float* const* mask, float scale,
+             bool vector) {
+  float sum[16];
+  int64_t most = 0;
+  for (int i = 0; i < n; ++i) {
+    exp_scores(s + i * stride, len[i], mask[i], scale, vector);
+    most = std::max(most, len[i]);
+    sum[i] = 0.f;
+  }
+  for (int i = 0; i < n; ++i) std::fill(s + i * stride + len[i], s + i * stride + most, 0.f);
+  for (int64_t j = 0; j < most; ++j)
+    for (int i = 0; i < n; ++i) sum[i] = sum[i] + s[i * stride + j];
+  for (int i = 0; i < n; ++i) {
+    float* si = s + i * stride;
+    int64_t j = vector ? divide_avx2(si, len[i], sum[i]) : 0;
+    for (; j < len[i]; ++j) si[j] = si[j] / sum[i];
+  }
 }
 
 // acc[c0..c0 + 8 NV) += p_j v_j for slots j0..j1 in order, as fused multiply-adds.
@@ -332,11 +386,7 @@ void attend(const Model& m, const bf16* const* q, int n, const bf16* keys, const
       }
     }
   }
-  for (int i = 0; i < n; ++i) {
-    float* s = w.s.data() + i * k8;
-    for (int64_t j = 0; j < len[i]; ++j) s[j] = mask[i] ? s[j] * scale + mask[i][j] : s[j] * scale;
-    softmax(s, len[i], vector);
-  }
+  softmax(w.s.data(), n, k8, len, mask, scale, vector);
   for (int64_t j = 0; j < kend; j += 16)  // the weighted values, 16 slots at a time
     for (int i = 0; i < n; ++i)
       if (j < len[i]) weigh(w.s.data() + i * k8, w.v.data(), j, std::min(len[i], j + 16), d, w.acc.data() + i * d, vector);
@@ -382,7 +432,6 @@ struct Work {
   bf16 *x, *hx, *qkv, *att, *o, *gu, *act, *down;
   Acts hidden, heads, inter;  // the quantized inputs of qkv and gate_up, of o, of down
   const bf16 *cos, *sin;
-  bf16 *kp, *vp;  // this layer's cache
   int64_t b, t, start, cap, path;
   const float* mask;
   bool causal = true;  // false: every query sees every slot up to its block's end (the DFlash draft)
@@ -412,9 +461,16 @@ void quantize_row(const bf16* x, int64_t k, int64_t r, Acts& a, int64_t path) {
   for (int64_t g = 0; g < a.blocks; ++g) quantize_act(x, k, r * a.blocks + g, path, a);
 }
 
+// A layer's cache: keys and values (b, kv_heads, capacity, head_dim).
+struct Cache {
+  bf16 *k, *v;
+};
+
 // The attention of every query: items (row, kv head, a chunk of the queries that read it: its heads'
-// queries at each token, up to 16, so a chunk converts the slots once for many queries).
-void team_attention(const Model& m, Work& w, Scratch& scratch) {
+// queries at each token, up to 16, so a chunk converts the slots once for many queries). Each query's
+// output head is quantized for the output projection where it is made (`heads`' blocks of 32 hold no
+// two heads' values when head_dim is a multiple of 32; else a loop after the attention does it).
+void team_attention(const Model& m, Work& w, Cache cache, Scratch& scratch) {
   const int64_t h = m.heads, kvh = m.kv_heads, d = m.head_dim, width = (h + 2 * kvh) * d, t = w.t;
   const int64_t end = w.start + t, group = h / kvh, nq = group * t, threads = omp_get_num_threads();
   const int64_t want = std::min(nq, std::max((nq + 15) / 16, (2 * threads + w.b * kvh - 1) / (w.b * kvh)));
@@ -437,22 +493,43 @@ void team_attention(const Model& m, Work& w, Scratch& scratch) {
     }
     if (!n) continue;
     const int64_t base = (row * kvh + g) * w.cap * d, kend = w.mask ? end : visible[n - 1] + 1;
-    attend(m, qs, n, w.kp + base, w.vp + base, kend, visible, masks, outs, w.path != REFERENCE, scratch);
+    attend(m, qs, n, cache.k + base, cache.v + base, kend, visible, masks, outs, w.path != REFERENCE, scratch);
+    if (d % 32) continue;
+    for (int i = 0; i < n; ++i) {  // query i's head: blocks (out - att) / 32 .. of the heads' activations
+      const int64_t first = (outs[i] - w.att) / 32;
+      for (int64_t blk = first; blk < first + d / 32; ++blk) quantize_act(w.att, h * d, blk, w.path, w.heads);
+    }
+  }
+  if (d % 32) {
+#pragma omp for
+    for (int64_t r = 0; r < w.live; ++r) quantize_row(w.att, h * d, r, w.heads, w.path);
   }
 }
 
-void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden);
+// What the last op of a layer (the MLP's residual, row by row) also does for the row: copy it out (a
+// wanted layer's output) and norm and quantize it for the next layer's first GEMM, so that no barrier
+// separates the layers.
+struct Next {
+  bf16* copy = nullptr;         // a wanted layer's output (b * t, hidden), at the row's token
+  const bf16* norm = nullptr;   // the next layer's norm1, or none after the last layer
+  Acts* acts = nullptr;         // where the normed rows are quantized
+};
 
-// One layer over w.x (rows = b * t, hidden), in place; every thread of the team calls it.
-void layer_team(const Model& m, const Layer& L, Work& w, int64_t hidden, Scratch& scratch) {
+// Row r of w.x: normed by `norm` into w.hx and quantized into `acts`.
+void norm_row(const Model& m, Work& w, const bf16* norm, Acts& acts, int64_t r, int64_t hidden) {
+  rms_norm(w.x + r * hidden, norm, w.hx + r * hidden, 1, hidden, hidden, m.eps, w.path != REFERENCE);
+  quantize_row(w.hx, hidden, r, acts, w.path);
+}
+
+void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden, const Next& next);
+
+// One layer over w.x (rows = b * t, hidden), in place, its rows already normed and quantized into
+// w.hidden (by the previous layer's `Next`); every thread of the team calls it.
+void layer_team(const Model& m, const Layer& L, Work& w, Cache cache, int64_t hidden, const Next& next,
+                Scratch& scratch) {
   const int64_t rows = w.live, h = m.heads, kvh = m.kv_heads, d = m.head_dim, width = (h + 2 * kvh) * d;
   const int64_t path = w.path;
   const bool vector = path != REFERENCE;
-#pragma omp for
-  for (int64_t r = 0; r < rows; ++r) {
-    rms_norm(w.x + r * hidden, L.norm1.data_ptr<bf16>(), w.hx + r * hidden, 1, hidden, hidden, m.eps, vector);
-    quantize_row(w.hx, hidden, r, w.hidden, path);
-  }
   team_gemm(w.hidden, L.qkv, w.qkv, path);  // (rows, (h + 2 kvh) d)
 #pragma omp for
   for (int64_t i = 0; i < rows * (h + kvh); ++i) {  // q and k heads: Qwen3's norms, RoPE; keys, values cached
@@ -463,27 +540,24 @@ void layer_team(const Model& m, const Layer& L, Work& w, int64_t hidden, Scratch
     rope(v, w.cos + r * d, w.sin + r * d, d, vector);
     if (head >= h) {  // (row, kv head, slot)
       const int64_t at_ = ((r / w.t * kvh + head - h) * w.cap + w.start + r % w.t) * d;
-      std::memcpy(w.kp + at_, v, d * sizeof(bf16));
-      std::memcpy(w.vp + at_, v + kvh * d, d * sizeof(bf16));
+      std::memcpy(cache.k + at_, v, d * sizeof(bf16));
+      std::memcpy(cache.v + at_, v + kvh * d, d * sizeof(bf16));
     }
   }
-  team_attention(m, w, scratch);
-  output_team(m, L, w, hidden);
+  team_attention(m, w, cache, scratch);
+  output_team(m, L, w, hidden, next);
 }
 
-// After the attention: the output projection and residual, the norm, the MLP and its residual, over
-// the rows of w.x.
-void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden) {
+// After the attention (its output quantized): the output projection and residual, the norm, the MLP
+// and its residual, over the rows of w.x, and `next`'s work for each row.
+void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden, const Next& next) {
   const int64_t rows = w.live, inter = L.gate_up.n / 2, path = w.path;
   const bool vector = path != REFERENCE;
-#pragma omp for
-  for (int64_t r = 0; r < rows; ++r) quantize_row(w.att, m.heads * m.head_dim, r, w.heads, path);
   team_gemm(w.heads, L.o, w.o, path);
 #pragma omp for
   for (int64_t r = 0; r < rows; ++r) {
     add(w.x + r * hidden, w.o + r * hidden, hidden);
-    rms_norm(w.x + r * hidden, L.norm2.data_ptr<bf16>(), w.hx + r * hidden, 1, hidden, hidden, m.eps, vector);
-    quantize_row(w.hx, hidden, r, w.hidden, path);
+    norm_row(m, w, L.norm2.data_ptr<bf16>(), w.hidden, r, hidden);
   }
   team_gemm(w.hidden, L.gate_up, w.gu, path);  // (rows, 2 inter): gate, then up
 #pragma omp for
@@ -494,7 +568,11 @@ void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden) {
   }
   team_gemm(w.inter, L.down, w.down, path);
 #pragma omp for
-  for (int64_t r = 0; r < rows; ++r) add(w.x + r * hidden, w.down + r * hidden, hidden);
+  for (int64_t r = 0; r < rows; ++r) {
+    add(w.x + r * hidden, w.down + r * hidden, hidden);
+    if (next.copy) std::memcpy(next.copy + w.token(r) * hidden, w.x + r * hidden, hidden * sizeof(bf16));
+    if (next.norm) norm_row(m, w, next.norm, *next.acts, r, hidden);
+  }
 }
 
 // One layer of a DFlash draft (models/draft.py's `Layer`): a Qwen3 layer whose keys and values come from
@@ -502,15 +580,11 @@ void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden) {
 // them, the same at every layer, so the caller quantizes them once into `kv`'s rows after the block's.
 // Their keys and values go to the cache before the block's (slots w.start - c ..), and the block's
 // queries see every slot up to the block's end (w.causal false, or the mask).
-void draft_layer_team(const Model& m, const Layer& L, Work& w, Acts& kv, int64_t c, const bf16* ccos,
-                      const bf16* csin, int64_t hidden, Scratch& scratch) {
+// The block's rows arrive normed and quantized into `kv` (by the previous layer's `Next`).
+void draft_layer_team(const Model& m, const Layer& L, Work& w, Cache cache, Acts& kv, int64_t c, const bf16* ccos,
+                      const bf16* csin, int64_t hidden, const Next& next, Scratch& scratch) {
   const int64_t rows = w.b * w.t, h = m.heads, kvh = m.kv_heads, d = m.head_dim, width = (h + 2 * kvh) * d;
   const bool vector = w.path != REFERENCE;
-#pragma omp for
-  for (int64_t r = 0; r < rows; ++r) {
-    rms_norm(w.x + r * hidden, L.norm1.data_ptr<bf16>(), w.hx + r * hidden, 1, hidden, hidden, m.eps, vector);
-    quantize_row(w.hx, hidden, r, kv, w.path);
-  }
   team_gemm(kv, L.qkv, w.qkv, w.path);  // (rows + b c, (h + 2 kvh) d): the block's rows, then the context's
   const int64_t block_items = rows * (h + kvh), items = block_items + w.b * c * kvh;
 #pragma omp for
@@ -524,12 +598,12 @@ void draft_layer_team(const Model& m, const Layer& L, Work& w, Acts& kv, int64_t
     if (head >= h) {  // (row, kv head, slot)
       const int64_t row = context ? j / c : j / w.t, slot = context ? w.start - c + j % c : w.start + j % w.t;
       const int64_t at_ = ((row * kvh + head - h) * w.cap + slot) * d;
-      std::memcpy(w.kp + at_, v, d * sizeof(bf16));
-      std::memcpy(w.vp + at_, v + kvh * d, d * sizeof(bf16));
+      std::memcpy(cache.k + at_, v, d * sizeof(bf16));
+      std::memcpy(cache.v + at_, v + kvh * d, d * sizeof(bf16));
     }
   }
-  team_attention(m, w, scratch);
-  output_team(m, L, w, hidden);
+  team_attention(m, w, cache, scratch);
+  output_team(m, L, w, hidden, next);
 }
 
 const Model& model(int64_t handle) {
@@ -618,7 +692,7 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
                    gu = buffer(2 * inter), act = buffer(inter), down = buffer(hidden);
   Work w{h.data_ptr<bf16>(), hx.data_ptr<bf16>(), qv.data_ptr<bf16>(), att.data_ptr<bf16>(), o.data_ptr<bf16>(),
          gu.data_ptr<bf16>(), act.data_ptr<bf16>(), down.data_ptr<bf16>(), {}, {}, {},
-         c.data_ptr<bf16>(), s.data_ptr<bf16>(), nullptr, nullptr, b, t, start, keys[0].size(2), path,
+         c.data_ptr<bf16>(), s.data_ptr<bf16>(), b, t, start, keys[0].size(2), path,
          mk.defined() ? mk.data_ptr<float>() : nullptr};
   w.live = rows;
   if (ragged) w.slot = slot.data(), w.packed = packed.data();
@@ -632,20 +706,16 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
     out.push_back(ragged ? at::zeros_like(x) : at::empty_like(x));
     copies[i] = out.back().data_ptr<bf16>();
   }
+  std::vector<Cache> caches;
+  for (int64_t i = 0; i < n; ++i) caches.push_back({keys[i].data_ptr<bf16>(), values[i].data_ptr<bf16>()});
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     Scratch scratch;
-    for (int64_t i = 0; i < n; ++i) {
-#pragma omp single
-      {  // the single's barrier: every thread sees this layer's cache
-        w.kp = keys[i].data_ptr<bf16>();
-        w.vp = values[i].data_ptr<bf16>();
-      }
-      layer_team(m, m.layers[i], w, hidden, scratch);
-      if (copies[i]) {
 #pragma omp for
-        for (int64_t j = 0; j < rows; ++j) std::memcpy(copies[i] + w.token(j) * hidden, w.x + j * hidden, hidden * sizeof(bf16));
-      }
+    for (int64_t r = 0; r < rows; ++r) norm_row(m, w, m.layers[0].norm1.data_ptr<bf16>(), w.hidden, r, hidden);
+    for (int64_t i = 0; i < n; ++i) {
+      const Next next{copies[i], i + 1 < n ? m.layers[i + 1].norm1.data_ptr<bf16>() : nullptr, &w.hidden};
+      layer_team(m, m.layers[i], w, caches[i], hidden, next, scratch);
     }
   }
   out[0] = ragged ? at::zeros_like(x).view({b * t, hidden}).index_copy_(0, index, h).view(x.sizes()) : h.view(x.sizes());
@@ -691,7 +761,7 @@ at::Tensor draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& 
   const at::Tensor c1 = cos.contiguous(), s1 = sin.contiguous(), c2 = ccos.contiguous(), s2 = csin.contiguous();
   Work w{h.data_ptr<bf16>(), hx.data_ptr<bf16>(), qv.data_ptr<bf16>(), att.data_ptr<bf16>(), o.data_ptr<bf16>(),
          gu.data_ptr<bf16>(), act.data_ptr<bf16>(), down.data_ptr<bf16>(), {}, {}, {},
-         c1.data_ptr<bf16>(), s1.data_ptr<bf16>(), nullptr, nullptr, b, t, start + c, keys[0].size(2), path,
+         c1.data_ptr<bf16>(), s1.data_ptr<bf16>(), b, t, start + c, keys[0].size(2), path,
          mk.defined() ? mk.data_ptr<float>() : nullptr, false};
   w.live = rows;
   w.hidden.resize(rows, hidden);
@@ -699,19 +769,20 @@ at::Tensor draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& 
   w.inter.resize(rows, inter);
   Acts kv;
   kv.resize(rows + b * c, hidden);
+  std::vector<Cache> caches;
+  for (int64_t i = 0; i < n; ++i) caches.push_back({keys[i].data_ptr<bf16>(), values[i].data_ptr<bf16>()});
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     Scratch scratch;
-#pragma omp for
+#pragma omp for nowait
     for (int64_t i = rows * kv.blocks; i < (rows + b * c) * kv.blocks; ++i)  // the context, once for all layers
       quantize_act(kx.data_ptr<bf16>(), hidden, i, path, kv);
+#pragma omp for
+    for (int64_t r = 0; r < rows; ++r) norm_row(m, w, m.layers[0].norm1.data_ptr<bf16>(), kv, r, hidden);
     for (int64_t i = 0; i < n; ++i) {
-#pragma omp single
-      {
-        w.kp = keys[i].data_ptr<bf16>();
-        w.vp = values[i].data_ptr<bf16>();
-      }
-      draft_layer_team(m, m.layers[i], w, kv, c, c2.data_ptr<bf16>(), s2.data_ptr<bf16>(), hidden, scratch);
+      const Next next{nullptr, i + 1 < n ? m.layers[i + 1].norm1.data_ptr<bf16>() : nullptr, &kv};
+      draft_layer_team(m, m.layers[i], w, caches[i], kv, c, c2.data_ptr<bf16>(), s2.data_ptr<bf16>(), hidden, next,
+                       scratch);
     }
   }
   return h.view(x.sizes());
