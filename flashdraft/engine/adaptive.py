@@ -26,8 +26,9 @@ reached it, by a calibration table per confidence bin.
   drafting never pays (chat at batch 4-16 on a CPU, where a verify's cost grows with its tokens) probes
   cost at most that share of the run. A probe is made only where a draft step could pay at
   all (every drafted token accepted) against the draft call as priced now, catch-up included: at 16 rows
-  the first draft call reads every prompt. A request starts with the typical gain of all requests as its
-  prior, worth one step (a row never measured counts as accepting whole blocks); alone in the batch it
+  the first draft call reads every prompt. In a batch a probe waits until the credit covers its draft call.
+  A request starts with the typical gain of all requests as its prior, worth one step (a row never
+  measured counts as accepting whole blocks; in a batch, drafting on that alone is a probe); alone in the batch it
   starts a fresh probe schedule, its first step a draft step, so one request where the draft does not
   pay (chat) does not make the next one (code, maths) timid. Joining a batch it waits for the batch's
   next probe: there a probe drafts for every row, and one row's first step must not cost the whole
@@ -387,11 +388,15 @@ class AdaptiveProposer(Proposer):
         self.rows = {r: self.rows.get(r) or self._new_row() for r in rows}  # by Row: ids may be reused
         # Alone, a request probes on its schedule: its first draft step reads its prompt, an investment a
         # row that drafts pays back (humaneval: tau 1.92 -> 1.55 when its probes waited for credit).
-        paid = len(rows) == 1 or self.credit >= 0
+        # In a batch a probe waits until the credit covers its draft call, and so does a draft step on no
+        # evidence (a row never measured counts as accepting whole blocks): a fresh proposer's first draft
+        # call at batch 4 read every prompt (4 plain steps) and left the rows' slots unaligned for the
+        # rest of a short run (0.94x plain on 16 chat prompts).
+        paid = len(rows) == 1 or self.credit >= (draft_s or 0.0)
         probe = self.wait == 0 and paid and self.could_pay(len(rows), draft_s)
-        self.drafted = self.dflash is not None and (
-            probe or self.wants_draft(list(self.rows.values()), draft_s)
-        )
+        states = list(self.rows.values())
+        wants = self.wants_draft(states, draft_s) and (paid or all(s.gain is not None for s in states))
+        self.drafted = self.dflash is not None and (probe or wants)
         self.wait = max(0, self.wait - 1)
         theta = self.threshold(len(rows))
         ng = None
