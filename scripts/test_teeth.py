@@ -264,6 +264,27 @@ BUGS = [
         "tests/test_adaptive.py::test_in_a_batch_a_fresh_proposer_drafts_only_when_its_credit_covers_the_draft_call",
     ),
     (
+        "a batch that does not draft forgets its rows' idle steps (they never explore)",
+        "flashdraft/engine/adaptive.py",
+        "            for st in states:\n                self._settle(st, NONE.source)\n",
+        "",
+        "tests/test_adaptive.py::test_in_a_batch_that_does_not_draft_every_row_counts_its_idle_steps",
+    ),
+    (
+        "a right-padded prefill hands the draft features from the padding's end",
+        "flashdraft/models/batch.py",
+        "feats[b, : len(p)] if right else",
+        "feats[b, p_len - len(p) :] if right else",
+        "tests/test_runner.py::test_prompts_of_different_lengths_prefilled_together_get_the_bits_they_get_alone",
+    ),
+    (
+        "a right-padded prefill's logits from the token before each row's last",
+        "flashdraft/models/runner/target.py",
+        "last = (n[:, None] - logits_to_keep + torch.arange",
+        "last = (n[:, None] - logits_to_keep - 1 + torch.arange",
+        "tests/test_runner.py::test_prompts_of_different_lengths_prefilled_together_get_the_bits_they_get_alone",
+    ),
+    (
         "a query's softmax sum adds another query's stale scores past its own slots",
         "flashdraft/models/runner/kernels/layers.cpp",
         "  for (int i = 0; i < n; ++i) std::fill(s + i * stride + len[i], s + i * stride + most, 0.f);\n",

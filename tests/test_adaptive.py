@@ -376,6 +376,24 @@ def test_rows_are_cut_below_a_cost_step():
     assert len(adaptive.cut([pick])[0].tokens) == 4
 
 
+def test_in_a_batch_that_does_not_draft_every_row_counts_its_idle_steps(tiny_llama, monkeypatch):
+    """A batch that does not draft skips the per-row choice (a fast path), but each row still counts the
+    steps it verified nothing, so that it explores on the batch's next draft step (`EXPLORE`)."""
+    from flashdraft.engine.engine import Engine
+
+    monkeypatch.setitem(globals(), "DRAFT_S", 1.0)  # what the `fixed_costs` fixture reports
+    adaptive = AdaptiveProposer(DFlashProposer(make_draft(tiny_llama.model, block_size=8), tiny_llama))
+    engine = Engine(tiny_llama, adaptive, max_batch_size=4)
+    for i in range(4):
+        engine.add(str(i), [5 + i, 6, 7, 8], GenerationConfig(40))
+    engine.step()  # the prefill
+    adaptive.credit = -1e9  # no probe, and no draft step on no evidence
+    for _ in range(EXPLORE + 2):
+        engine.step()
+    assert adaptive.stats["draft_steps"] == 0, adaptive.stats
+    assert [st.idle for st in adaptive.rows.values()] == [EXPLORE + 2] * 4
+
+
 def test_in_a_batch_a_row_explores_only_when_the_step_verifies_drafts_anyway():
     """The verify pads every row to the longest: at batch 4 one exploring row's single token makes all four
     rows verify two tokens, a cost of four tokens for one measurement (at batch 16 that cost adaptive

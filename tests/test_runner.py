@@ -539,3 +539,30 @@ def check_ragged_verify(run: RunnerTarget, what) -> None:
             k = min(n, x.shape[1])
             assert torch.equal(x[b, :k], y[b, :k]), (what, b)
     assert not outs[1][0][2, 1:].any()  # the padding: not computed
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@pytest.mark.parametrize("arch", ("llama", "qwen3"))
+@torch.inference_mode()
+def test_prompts_of_different_lengths_prefilled_together_get_the_bits_they_get_alone(arch):
+    """On a ragged target the batch's prefill right-pads prompts of different lengths and computes only
+    their own tokens: each row's last logits and every prompt token's features equal its prefill alone,
+    bit for bit, and so does the next step on the joined cache (the padding's slots dead)."""
+    from flashdraft.models.batch import TargetBatch
+
+    run = smol_shaped(arch, Quantization("q4_1", "q8_0"))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (23, 9, 40)]
+    together = TargetBatch(run, [0, 1])
+    logits, feats, batch = together.prefill(prompts)
+    together.join(batch, [0, 1, 2])
+    nxt = torch.tensor([[5], [6], [7]])
+    after, _ = together.verify(nxt, [len(p) for p in prompts], [0, 0, 0])
+    for b, p in enumerate(prompts):
+        alone = TargetBatch(run, [0, 1])
+        one, one_feats, single = alone.prefill([p])
+        alone.join(single, [0])
+        step, _ = alone.verify(nxt[b : b + 1], [len(p)], [0])
+        assert torch.equal(logits[b], one[0]), (arch, b)
+        assert torch.equal(feats[b], one_feats[0]), (arch, b)
+        assert torch.equal(after[b, 0], step[0, 0]), (arch, b)

@@ -398,6 +398,14 @@ class AdaptiveProposer(Proposer):
         wants = self.wants_draft(states, draft_s) and (paid or all(s.gain is not None for s in states))
         self.drafted = self.dflash is not None and (probe or wants)
         self.wait = max(0, self.wait - 1)
+        if not self.drafted and len(rows) > 1:
+            # A batch that does not draft has nothing to verify (n-gram lookup serves a row alone): every
+            # row just counts an idle step, as the loop below would, without its per-row work.
+            for st in states:
+                self._settle(st, NONE.source)
+            self.last = [(NONE.source, NONE.conf, NONE.table, None)] * len(rows)
+            self.stats["skipped_steps"] += 1
+            return [(NONE.tokens, NONE.q)] * len(rows)
         theta = self.threshold(len(rows))
         ng = None
         if self.ngram is not None and len(rows) == 1:

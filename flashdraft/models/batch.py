@@ -157,29 +157,42 @@ class TargetBatch:
         return self.slots.rows
 
     def prefill(self, prompts: list[list[int]]):
-        """Left-padded, so the last logits are every row's last token; padding slots are dead."""
+        """Left-padded, so the last logits are every row's last token; padding slots are dead. On a ragged
+        target, prompts of different lengths are right-padded instead and only their own tokens computed
+        (each query reading only the slots it sees, not a masked square over the padding)."""
         device = self.target.device
         lens = torch.tensor([len(p) for p in prompts], device=device)
         p_len = int(lens.max())
+        same = len({len(p) for p in prompts}) == 1
+        right = self.ragged and not same
         ids = torch.zeros(len(prompts), p_len, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
-            ids[b, p_len - len(p) :] = torch.tensor(p, device=device)
-        pos = torch.arange(p_len, device=device) - (p_len - lens)[:, None]  # padding: negative positions
-        same = len({len(p) for p in prompts}) == 1
+            at = slice(0, len(p)) if right else slice(p_len - len(p), p_len)
+            ids[b, at] = torch.tensor(p, device=device)
+        if right:  # padding after each prompt
+            pos = torch.arange(p_len, device=device).expand(len(prompts), -1)
+            live = pos < lens[:, None]
+        else:  # padding before it: negative positions
+            pos = torch.arange(p_len, device=device) - (p_len - lens)[:, None]
+            live = pos >= 0
         new = TargetBatch(self.target, self.features)
-        kpos = None if same else torch.where(pos >= 0, pos, DEAD)
+        kpos = None if same else torch.where(live, pos, DEAD)
         new.slots = Slots(len(prompts), p_len, kpos, device)
         new.cache = self.target.new_cache(sliding=False)
+        ragged = {"lengths": lens.tolist()} if right else {}
         logits, feats = self.target.forward(
             ids,
             pos.clamp_min(0),
             new.cache,
             logits_to_keep=1,
             features=self.features,
-            attention_mask=None if same else self.target.attention_mask(pos.clamp_min(0), kpos),
+            attention_mask=None if same or right else self.target.attention_mask(pos.clamp_min(0), kpos),
+            **ragged,
         )
         if feats is not None:
-            feats = [feats[b, p_len - len(p) :] for b, p in enumerate(prompts)]
+            feats = [
+                feats[b, : len(p)] if right else feats[b, p_len - len(p) :] for b, p in enumerate(prompts)
+            ]
         return logits[:, -1], feats, new
 
     def join(self, other: TargetBatch, index: list[int]) -> None:

@@ -125,7 +125,8 @@ class RunnerTarget:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As `Target.forward`: logits (B, T or logits_to_keep, V) and the features of the listed
         layers (the last one: the final-normed output), concatenated (B, T, n*H). `lengths`: as
-        `Target.forward`; where the runner is `ragged`, a row's padding is not computed at all."""
+        `Target.forward`; where the runner is `ragged`, a row's padding is not computed at all, and
+        `logits_to_keep` then keeps each row's last tokens of its own (a right-padded prefill)."""
         bad = [i for i in features or () if not 0 <= i < self.num_layers]
         if bad:
             raise TargetError(
@@ -144,6 +145,9 @@ class RunnerTarget:
         cache.length = start + t
         caught[self.num_layers - 1] = x  # as transformers' hidden_states[-1]: the final-normed output
         feats = torch.cat([caught[i] for i in features], -1) if features else None
+        if n is not None and logits_to_keep and self.ragged:  # each row's own last tokens
+            last = (n[:, None] - logits_to_keep + torch.arange(logits_to_keep)).clamp_min(0).to(x.device)
+            return self.runner.head(x.gather(1, last[:, :, None].expand(-1, -1, x.shape[-1]))), feats
         if n is not None and not logits_to_keep:  # the head on the rows' own tokens alone
             live = (torch.arange(t) < n[:, None]).view(-1).nonzero().squeeze(1).to(x.device)
             logits = self.runner.head(x.reshape(b * t, -1).index_select(0, live))
