@@ -259,8 +259,8 @@ BUGS = [
     (
         "in a batch, a fresh proposer drafts on no evidence without credit (0.94x plain at batch 4)",
         "flashdraft/engine/adaptive.py",
-        "(paid or all(s.gain is not None for s in states))",
-        "True",
+        "evidence = paid or all(s.gain is not None for s in states)",
+        "evidence = True",
         "tests/test_adaptive.py::test_in_a_batch_a_fresh_proposer_drafts_only_when_its_credit_covers_the_draft_call",
     ),
     (

@@ -395,8 +395,8 @@ class AdaptiveProposer(Proposer):
         paid = len(rows) == 1 or self.credit >= (draft_s or 0.0)
         probe = self.wait == 0 and paid and self.could_pay(len(rows), draft_s)
         states = list(self.rows.values())
-        wants = self.wants_draft(states, draft_s) and (paid or all(s.gain is not None for s in states))
-        self.drafted = self.dflash is not None and (probe or wants)
+        evidence = paid or all(s.gain is not None for s in states)
+        self.drafted = self.dflash is not None and (probe or (evidence and self.wants_draft(states, draft_s)))
         self.wait = max(0, self.wait - 1)
         if not self.drafted and len(rows) > 1:
             # A batch that does not draft has nothing to verify (n-gram lookup serves a row alone): every
