@@ -22,6 +22,27 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "the C++ final norm applied with the first layer's norm weights",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "last ? (normed ? norm->data_ptr<bf16>() : nullptr)",
+        "last ? (normed ? m.layers[0].norm1.data_ptr<bf16>() : nullptr)",
+        "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "argmax's vector path takes the last of equal maxima in a group of 8",
+        "flashdraft/models/runner/kernels/argmax.cpp",
+        "if (hit) return i + __builtin_ctz(hit);",
+        "if (hit) return i + 31 - __builtin_clz(hit);",
+        "tests/test_kernels.py::test_argmax_gives_torchs_indices",
+    ),
+    (
+        "argmax's reference takes the last of equal maxima",
+        "flashdraft/models/runner/kernels/argmax.cpp",
+        "if (v > top) top = v, best = i;",
+        "if (v >= top) top = v, best = i;",
+        "tests/test_kernels.py::test_argmax_gives_torchs_indices",
+    ),
+    (
         "a batched row's tree built from the first row's marginals",
         "flashdraft/engine/proposers.py",
         "return tree.from_probs(self.marginals()[b, :depth], budget, ids)",
@@ -285,10 +306,10 @@ BUGS = [
         "tests/test_runner.py::test_prompts_of_different_lengths_prefilled_together_get_the_bits_they_get_alone",
     ),
     (
-        "few queries read the last partial group's keys from one slot too far",
+        "a group of keys converted from one slot too far",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "to_float(keys + (direct ? whole * d : 0)",
-        "to_float(keys + (direct ? whole * d + d : 0)",
+        "to_float(keys + j * d, w.k.data(), g * d, vector);",
+        "to_float(keys + j * d + d, w.k.data(), g * d, vector);",
         "tests/test_runner.py::test_quantized_verify_rows_equal_one_token_steps_bitwise",
     ),
     (

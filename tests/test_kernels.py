@@ -133,3 +133,22 @@ def test_a_path_this_cpu_cannot_run_is_refused(monkeypatch):
     monkeypatch.setenv("FLASHDRAFT_KERNEL", "avx1024")
     with pytest.raises(ValueError, match="FLASHDRAFT_KERNEL must be one of auto, reference, avx2, avx512"):
         kernels.path()
+
+
+@pytest.mark.parametrize("path", ("reference", "avx2", "avx512"))
+def test_argmax_gives_torchs_indices(path, on_path):
+    """Each row's first maximum, as torch.argmax: ties (values on a coarse grid), a maximum in a row's
+    last partial group of 8, rows of -inf, a NaN (the first NaN wins), lengths 1-70."""
+    if path not in runnable():
+        pytest.skip(f"this CPU does not run the {path} path")
+    on_path(path)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 31, 70):
+        x = (torch.randn(12, n, generator=g) * 2).round().to(torch.bfloat16)  # many equal maxima
+        x[1] = float("-inf")
+        x[2, -1] = 100.0  # the maximum in the tail
+        if n > 3:
+            x[3, 2] = x[3, n - 2] = float("nan")
+            x[4, 1:] = 50.0  # ties at once after the first slot
+        for rows in (x, x[5:7], x[None]):
+            assert torch.equal(kernels.argmax(rows), rows.float().argmax(-1)), (n, rows.shape)

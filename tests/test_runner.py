@@ -172,6 +172,8 @@ def smol_shaped(arch: str, quantize: str | Quantization) -> RunnerTarget:
         for name, p in model.named_parameters():
             if p.dim() >= 2 or name.endswith("bias"):
                 p.normal_(0.0, 0.05)
+            else:  # norms of their own (all ones would hide a norm applied with another's weights)
+                p.uniform_(0.5, 1.5)
     return RunnerTarget.from_target(Target(model.eval()), quantize, torch.bfloat16)
 
 

@@ -3,8 +3,8 @@
 Both mirror transformers' Llama / Qwen3 code bit for bit (statistics and rotary tables in float32, then
 the cast back), in fewer ops: torch's fused norm gives the bits of transformers' five ops, and RoPE's
 rotate_half(x) * sin is roll(x) * sin with the sign of sin's first half flipped (the same products).
-The tables are made once per forward and serve every layer (and the C++ layers, which take them as
-they are).
+The tables serve every layer of a forward (and the C++ layers, which take them as they are); the
+native runner looks them up in a `RopeTable` made once, instead of making them per forward.
 """
 
 from __future__ import annotations
@@ -37,3 +37,33 @@ def rope_tables(
     sin = (emb.sin() * scale).to(dtype)
     half = sin.shape[-1] // 2
     return (emb.cos() * scale).to(dtype), torch.cat([-sin[..., :half], sin[..., half:]], -1)
+
+
+class RopeTable:
+    """`rope_tables` of positions 0..n-1, made once (and grown when a position passes n) and looked up per
+    forward: making them took 0.09 ms of a 5 ms one-token step (ten small ops). A position's entries
+    are elementwise functions of it alone, made in blocks of BLOCK positions (small enough that torch
+    runs them on one thread in whole vectors, as it does a forward's few positions), so they are the
+    bits `rope_tables` gives."""
+
+    BLOCK = 128
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
+        self.inv_freq, self.scale, self.dtype = inv_freq, scale, dtype
+        self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B, T, 1, D) of these positions (B, T), as `rope_tables`."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self.cos.shape[0]:
+            self._grow(max(need, 2 * self.cos.shape[0]))
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+
+    def _grow(self, n: int) -> None:
+        n = -(-n // self.BLOCK) * self.BLOCK
+        parts = [
+            rope_tables(torch.arange(i, i + self.BLOCK)[None], self.inv_freq, self.scale, self.dtype)
+            for i in range(self.cos.shape[0], n, self.BLOCK)
+        ]
+        self.cos = torch.cat([self.cos, *(c[0, :, 0] for c, _ in parts)])
+        self.sin = torch.cat([self.sin, *(s[0, :, 0] for _, s in parts)])

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.models import masks
-from flashdraft.models.ops import rms_norm, rope_tables, rotate
+from flashdraft.models.ops import RopeTable, rms_norm, rotate
 from flashdraft.models.runner import kernels
 from flashdraft.models.runner.cache import KVCache
 from flashdraft.models.runner.quant import BlockLinear, Quantization, make_linear
@@ -137,6 +137,7 @@ class Runner(nn.Module):
         rotary = decoder.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().float()
         self.rope_scale = float(rotary.attention_scaling)
+        self.ropes: dict[torch.dtype, RopeTable] = {}
         self.handle, self.fused = self.native_layers(dtype), True
 
     def native_layers(self, dtype: torch.dtype) -> int | None:
@@ -173,8 +174,10 @@ class Runner(nn.Module):
         )
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables of these positions (see `rope_tables`)."""
-        return rope_tables(positions, self.inv_freq, self.rope_scale, dtype)
+        """The rotary tables of these positions (`flashdraft.models.ops.rope_tables`, from a table)."""
+        if dtype not in self.ropes:
+            self.ropes[dtype] = RopeTable(self.inv_freq, self.rope_scale, dtype)
+        return self.ropes[dtype](positions)
 
     @staticmethod
     def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -203,10 +206,21 @@ class Runner(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         if self.ragged:
             ids = sorted(wanted)
-            out = torch.ops.flashdraft.llama_forward(
-                self.handle, x, cos, sin, cache.k, cache.v, start, mask, lengths, ids, kernels.path()
+            out = torch.ops.flashdraft.llama_forward(  # the final norm too (the layers' eps: the config's)
+                self.handle,
+                x,
+                cos,
+                sin,
+                cache.k,
+                cache.v,
+                start,
+                mask,
+                lengths,
+                ids,
+                kernels.path(),
+                self.norm,
             )
-            return rms_norm(out[0], self.norm, self.eps), dict(zip(ids, out[1:], strict=True))
+            return out[0], dict(zip(ids, out[1:], strict=True))
         caught = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, mask)

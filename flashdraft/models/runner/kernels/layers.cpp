@@ -190,8 +190,16 @@ void rope(bf16* x, const bf16* cos, const bf16* sin, int64_t d, bool vector) {
   }
 }
 
-FD_CLONES void to_float(const bf16* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(x[i]);
+// bf16 to float (exact: a bf16 is a float's high half), 8 at a time where `vector` (GCC does not
+// vectorize c10::BFloat16's conversion: this loop was 4.6% of a verify of 8 tokens).
+__attribute__((target("avx2,fma"))) int64_t to_float_avx2(const bf16* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, load_bf16(x + i));
+  return i;
+}
+
+void to_float(const bf16* x, float* y, int64_t n, bool vector) {
+  for (int64_t i = vector ? to_float_avx2(x, y, n) : 0; i < n; ++i) y[i] = static_cast<float>(x[i]);
 }
 
 // ---- attention -----------------------------------------------------------------------------------
@@ -356,60 +364,68 @@ void weigh(const float* p, const T* v, int64_t j0, int64_t j1, int64_t d, float*
       if (p[j] != 0.f) acc[c] = std::fma(p[j], static_cast<float>(v[j * d + c]), acc[c]);
 }
 
-struct Scratch {  // a thread's, in float: the queries, the slots' keys and values, scores, outputs
+struct Scratch {  // a thread's, in float: the queries, a group of keys and of values, scores, outputs
   std::vector<float> q, k, v, s, acc;
 };
 
 // Attention of n queries that share a kv head over its slots 0..kend: query i is q[i] (head_dim
 // values), sees slot j where mask[i][j] adds 0 (no mask: j <= visible[i] < kend) and writes out[i].
-// Each query's numbers do not depend on the others: they only share the slots' conversion to float,
-// and the loops run slot block by slot block over all the queries, so a block stays in cache.
+// Each query's numbers do not depend on the others: they only share the slots' conversion to float.
+// The slots go group by group (8 keys, then 16 values) over all the queries: a group is converted
+// once into a buffer that stays in L1, read by every query, then the next group overwrites it.
+// Converting every slot first wrote the whole head's keys and values out to L2 and back (the
+// conversion alone was 4.6% of a verify of 8 tokens, `perf`).
 void attend(const Model& m, const bf16* const* q, int n, const bf16* keys, const bf16* values, int64_t kend,
             const int64_t* visible, const float* const* mask, bf16* const* out, bool vector, Scratch& w) {
-  const int64_t d = m.head_dim, k8 = (kend + 7) / 8 * 8, whole = kend / 8 * 8;
+  const int64_t d = m.head_dim, k8 = (kend + 7) / 8 * 8;
   const float scale = static_cast<float>(m.scale);
   // Few queries read the cache's bf16 directly: converting each value as it is used costs less than
-  // converting every slot first (`perf`, 2-core EPYC: the attention's share of a one-row step 9.6% ->
-  // 7.1%, of a batch-8 step 22% -> 16%; at 6 queries, a verify of 4, even). Many share one conversion
-  // to float. The products are the same either way. The keys of a last partial group of 8 go to a
-  // zero-padded copy, so no read passes slot kend.
+  // converting the slots first (`perf`, 2-core EPYC: the attention's share of a one-row step 9.6% ->
+  // 7.1%, of a batch-8 step 22% -> 16%; at 6 queries, a verify of 4, even). The products are the same
+  // either way. A last partial group of keys is converted and zero-padded, so no read passes slot kend.
   const bool direct = vector && n <= 3;
   w.q.resize(n * d);
-  w.k.resize((direct ? 8 : k8) * d);
-  w.v.resize(direct ? 0 : kend * d);
+  w.k.resize(8 * d);
+  w.v.resize(16 * d);
   w.s.resize(n * k8);
   w.acc.assign(n * d, 0.f);
-  float* tail = w.k.data() + (direct ? 0 : whole * d);  // the last partial group's keys, zero-padded
-  to_float(keys + (direct ? whole * d : 0), direct ? tail : w.k.data(), (direct ? kend - whole : kend) * d);
-  std::fill(tail + (kend - whole) * d, w.k.data() + w.k.size(), 0.f);
-  if (!direct) to_float(values, w.v.data(), kend * d);
-  int64_t len[16];  // the slots each query may see
+  int64_t len[16], most = 0;  // the slots each query may see, the most any does
   for (int i = 0; i < n; ++i) {
     len[i] = mask[i] ? kend : visible[i] + 1;
-    to_float(q[i], w.q.data() + i * d, d);
+    most = std::max(most, len[i]);
+    to_float(q[i], w.q.data() + i * d, d, vector);
   }
-  for (int64_t j = 0; j < kend; j += 8) {  // scores, 8 slots at a time
+  for (int64_t j = 0; j < most; j += 8) {  // scores, 8 slots at a time
+    const int64_t g = std::min<int64_t>(8, kend - j);
+    const bool read = direct && g == 8;  // from the cache itself
+    if (!read) {
+      to_float(keys + j * d, w.k.data(), g * d, vector);
+      std::fill(w.k.begin() + g * d, w.k.end(), 0.f);
+    }
     for (int i = 0; i < n; ++i) {
       float* s = w.s.data() + i * k8;
       if (j >= len[i]) continue;
       if (!vector) {
-        for (int64_t u = j; u < std::min(len[i], j + 8); ++u) s[u] = dot_reference(w.q.data() + i * d, w.k.data() + u * d, d);
-      } else if (direct && j < whole) {
+        for (int64_t u = j; u < std::min(len[i], j + 8); ++u)
+          s[u] = dot_reference(w.q.data() + i * d, w.k.data() + (u - j) * d, d);
+      } else if (read) {
         dots8_avx2(w.q.data() + i * d, keys + j * d, d, s + j);
       } else {
-        dots8_avx2(w.q.data() + i * d, direct ? tail : w.k.data() + j * d, d, s + j);
+        dots8_avx2(w.q.data() + i * d, w.k.data(), d, s + j);
       }
     }
   }
   softmax(w.s.data(), n, k8, len, mask, scale, vector);
-  for (int64_t j = 0; j < kend; j += 16) {  // the weighted values, 16 slots at a time
+  for (int64_t j = 0; j < most; j += 16) {  // the weighted values, 16 slots at a time
+    const int64_t g = std::min<int64_t>(16, kend - j);
+    if (!direct) to_float(values + j * d, w.v.data(), g * d, vector);
     for (int i = 0; i < n; ++i) {
       if (j >= len[i]) continue;
       const int64_t j1 = std::min(len[i], j + 16);
       if (direct) {
-        weigh(w.s.data() + i * k8, values, j, j1, d, w.acc.data() + i * d, vector);
+        weigh(w.s.data() + i * k8 + j, values + j * d, 0, j1 - j, d, w.acc.data() + i * d, vector);
       } else {
-        weigh(w.s.data() + i * k8, w.v.data(), j, j1, d, w.acc.data() + i * d, vector);
+        weigh(w.s.data() + i * k8 + j, w.v.data(), 0, j1 - j, d, w.acc.data() + i * d, vector);
       }
     }
   }
@@ -534,14 +550,14 @@ void team_attention(const Model& m, Work& w, Cache cache, Scratch& scratch) {
 // separates the layers.
 struct Next {
   bf16* copy = nullptr;         // a wanted layer's output (b * t, hidden), at the row's token
-  const bf16* norm = nullptr;   // the next layer's norm1, or none after the last layer
-  Acts* acts = nullptr;         // where the normed rows are quantized
+  const bf16* norm = nullptr;   // the next layer's norm1, the model's final norm, or none
+  Acts* acts = nullptr;         // where the normed rows are quantized (none after the final norm)
 };
 
-// Row r of w.x: normed by `norm` into w.hx and quantized into `acts`.
-void norm_row(const Model& m, Work& w, const bf16* norm, Acts& acts, int64_t r, int64_t hidden) {
+// Row r of w.x: normed by `norm` into w.hx and quantized into `acts` (if any).
+void norm_row(const Model& m, Work& w, const bf16* norm, Acts* acts, int64_t r, int64_t hidden) {
   rms_norm(w.x + r * hidden, norm, w.hx + r * hidden, 1, hidden, hidden, m.eps, w.path != REFERENCE);
-  quantize_row(w.hx, hidden, r, acts, w.path);
+  if (acts) quantize_row(w.hx, hidden, r, *acts, w.path);
 }
 
 void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden, const Next& next);
@@ -580,7 +596,7 @@ void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden, const 
 #pragma omp for
   for (int64_t r = 0; r < rows; ++r) {
     add(w.x + r * hidden, w.o + r * hidden, hidden);
-    norm_row(m, w, L.norm2.data_ptr<bf16>(), w.hidden, r, hidden);
+    norm_row(m, w, L.norm2.data_ptr<bf16>(), &w.hidden, r, hidden);
   }
   team_gemm(w.hidden, L.gate_up, w.gu, path);  // (rows, 2 inter): gate, then up
 #pragma omp for
@@ -594,7 +610,7 @@ void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden, const 
   for (int64_t r = 0; r < rows; ++r) {
     add(w.x + r * hidden, w.down + r * hidden, hidden);
     if (next.copy) std::memcpy(next.copy + w.token(r) * hidden, w.x + r * hidden, hidden * sizeof(bf16));
-    if (next.norm) norm_row(m, w, next.norm, *next.acts, r, hidden);
+    if (next.norm) norm_row(m, w, next.norm, next.acts, r, hidden);
   }
 }
 
@@ -669,14 +685,19 @@ void llama_free(int64_t handle) {
 // `mask` (b, 1, t, start + t) additive float32, or none for causal order. `lengths` (b) int64, or none:
 // row i's first lengths[i] tokens are computed, the rest are dead (a verify of chains or trees of
 // different sizes: the rows' padding costs nothing; their outputs are zeros, their cache slots are not
-// written). Returns the last layer's output, then the outputs of the layers in `wanted`.
+// written). Returns the last layer's output, normed by `norm` (the model's final norm, bf16 (hidden),
+// the layers' eps) where given, then the outputs of the layers in `wanted`. (The final norm here
+// rather than in torch: torch.rms_norm on one row took 0.1 ms, 2% of a step.)
 std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                       const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                                       int64_t start, const c10::optional<at::Tensor>& mask,
                                       const c10::optional<at::Tensor>& lengths, const std::vector<int64_t>& wanted,
-                                      int64_t path) {
+                                      int64_t path, const c10::optional<at::Tensor>& norm) {
   const Model& m = model(handle);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "llama_forward: x must be bf16 (b, t, hidden)");
+  const bool normed = norm && norm->defined();
+  TORCH_CHECK(!normed || (norm->scalar_type() == at::kBFloat16 && norm->is_contiguous() && norm->numel() == x.size(2)),
+              "llama_forward: the final norm must be contiguous bf16 (hidden)");
   TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "llama_forward: a cache a layer");
   const int64_t b = x.size(0), t = x.size(1);
   if (path == AUTO) path = best_path();
@@ -735,13 +756,17 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
   {
     Scratch scratch;
 #pragma omp for
-    for (int64_t r = 0; r < rows; ++r) norm_row(m, w, m.layers[0].norm1.data_ptr<bf16>(), w.hidden, r, hidden);
+    for (int64_t r = 0; r < rows; ++r) norm_row(m, w, m.layers[0].norm1.data_ptr<bf16>(), &w.hidden, r, hidden);
     for (int64_t i = 0; i < n; ++i) {
-      const Next next{copies[i], i + 1 < n ? m.layers[i + 1].norm1.data_ptr<bf16>() : nullptr, &w.hidden};
+      const bool last = i + 1 == n;
+      const Next next{copies[i],
+                      last ? (normed ? norm->data_ptr<bf16>() : nullptr) : m.layers[i + 1].norm1.data_ptr<bf16>(),
+                      last ? nullptr : &w.hidden};
       layer_team(m, m.layers[i], w, caches[i], hidden, next, scratch);
     }
   }
-  out[0] = ragged ? at::zeros_like(x).view({b * t, hidden}).index_copy_(0, index, h).view(x.sizes()) : h.view(x.sizes());
+  const at::Tensor& y = normed ? hx : h;
+  out[0] = ragged ? at::zeros_like(x).view({b * t, hidden}).index_copy_(0, index, y).view(x.sizes()) : y.view(x.sizes());
   return out;
 }
 
@@ -801,7 +826,7 @@ at::Tensor draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& 
     for (int64_t i = rows * kv.blocks; i < (rows + b * c) * kv.blocks; ++i)  // the context, once for all layers
       quantize_act(kx.data_ptr<bf16>(), hidden, i, path, kv);
 #pragma omp for
-    for (int64_t r = 0; r < rows; ++r) norm_row(m, w, m.layers[0].norm1.data_ptr<bf16>(), kv, r, hidden);
+    for (int64_t r = 0; r < rows; ++r) norm_row(m, w, m.layers[0].norm1.data_ptr<bf16>(), &kv, r, hidden);
     for (int64_t i = 0; i < n; ++i) {
       const Next next{nullptr, i + 1 < n ? m.layers[i + 1].norm1.data_ptr<bf16>() : nullptr, &kv};
       draft_layer_team(m, m.layers[i], w, caches[i], kv, c, c2.data_ptr<bf16>(), s2.data_ptr<bf16>(), hidden, next,
@@ -816,7 +841,7 @@ TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
         &llama_new);
   m.def("llama_free(int handle) -> ()", &llama_free);
   m.def("llama_forward(int handle, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int start, "
-        "Tensor? mask, Tensor? lengths, int[] wanted, int path) -> Tensor[]",
+        "Tensor? mask, Tensor? lengths, int[] wanted, int path, Tensor? norm=None) -> Tensor[]",
         &llama_forward);
   m.def("draft_forward(int handle, Tensor x, Tensor ctx, Tensor cos, Tensor sin, Tensor ccos, Tensor csin, "
         "Tensor[] keys, Tensor[] values, int start, Tensor? mask, int path) -> Tensor",
