@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "in a batch, a probe's credit covers only its draft call, not its verify",
+        "flashdraft/engine/adaptive.py",
+        "self.credit >= self.probe_loss(len(rows), draft_s)",
+        "self.credit >= (draft_s or 0.0)",
+        "tests/test_adaptive.py::test_in_a_batch_a_probe_waits_until_the_credit_covers_its_verify_too",
+    ),
+    (
         "the C++ final norm applied with the first layer's norm weights",
         "flashdraft/models/runner/kernels/layers.cpp",
         "last ? (normed ? norm->data_ptr<bf16>() : nullptr)",

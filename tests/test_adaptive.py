@@ -273,6 +273,27 @@ def test_in_a_batch_where_the_draft_never_pays_probes_cost_at_most_their_budget(
     assert s["draft_steps"] <= 1 + A.PROBE_BUDGET * steps * PLAIN_S / DRAFT_S, s
 
 
+def test_in_a_batch_a_probe_waits_until_the_credit_covers_its_verify_too(tiny_llama):
+    """A probe that accepts nothing loses its draft call and its verify's drafted tokens. Here the draft is
+    priced nearly free (relative_cost 0.001) and a verify of one drafted token a row (8 tokens at batch
+    4), priced from the prefill's line before any verify, costs 0.28 plain steps beyond a plain one: the
+    first probe waits until PROBE_BUDGET of the run covers both (with credit that covered only the draft
+    call, it came on the 2nd step)."""
+    from flashdraft.engine.engine import Engine
+
+    adaptive = AdaptiveProposer(DFlashProposer(make_draft(tiny_llama.model, block_size=8), tiny_llama))
+    adaptive.dflash.relative_cost = 0.001
+    engine = Engine(tiny_llama, adaptive, max_batch_size=4)
+    for i in range(4):
+        engine.add(str(i), [5 + i, 6, 7, 8], GenerationConfig(200))
+    engine.step()  # the prefill
+    steps = 0
+    while adaptive.stats["draft_steps"] == 0 and engine.pending():
+        engine.step()
+        steps += 1
+    assert adaptive.stats["draft_steps"] == 1 and steps >= 0.25 / (A.PROBE_BUDGET * PLAIN_S), steps
+
+
 def test_a_fresh_proposer_prices_its_first_verify_from_the_prefill(tiny_llama):
     """Before any verify, the prefill's timing prices one: a fresh proposer at batch 4 cuts its first blocks
     (with nothing timed it verified every row's whole block: at batch 16, 4-6 plain steps' worth)."""
@@ -340,9 +361,11 @@ def test_a_probe_that_could_not_pay_is_not_made(tiny_llama, relative_cost, draft
     every prompt. At 16 rows of 40-token prompts, priced from the prefills (a draft token at half a target
     token's cost), that call could not pay even if every drafted token were accepted, so the batch steps
     plain throughout and makes no probe (before: its first step read all 16 prompts, 0.1-0.6 s on the
-    CPU of docs/speed.md against a 41 ms plain step). A cheap draft is probed; the output is plain's."""
+    CPU of docs/speed.md against a 41 ms plain step). A cheap draft is probed; the output is plain's. (The
+    credit, which a probe in a batch also waits for, is ample here: the draft call's price decides.)"""
     adaptive = AdaptiveProposer(DFlashProposer(make_draft(tiny_llama.model, block_size=8), tiny_llama))
     adaptive.dflash.relative_cost = relative_cost
+    adaptive.credit = 1e9
     rng = random.Random(3)
     prompts = [[rng.randrange(128) for _ in range(40)] for _ in range(16)]
     res = generate_batch(

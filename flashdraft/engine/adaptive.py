@@ -26,7 +26,8 @@ reached it, by a calibration table per confidence bin.
   drafting never pays (chat at batch 4-16 on a CPU, where a verify's cost grows with its tokens) probes
   cost at most that share of the run. A probe is made only where a draft step could pay at
   all (every drafted token accepted) against the draft call as priced now, catch-up included: at 16 rows
-  the first draft call reads every prompt. In a batch a probe waits until the credit covers its draft call.
+  the first draft call reads every prompt. In a batch a probe waits until the credit covers what it
+  loses if nothing is accepted: its draft call and a verify of one drafted token a row (`probe_loss`).
   A request starts with the typical gain of all requests as its prior, worth one step (a row never
   measured counts as accepting whole blocks; in a batch, drafting on that alone is a probe); alone in the batch it
   starts a fresh probe schedule, its first step a draft step, so one request where the draft does not
@@ -58,7 +59,10 @@ from flashdraft.engine.proposers import NOTHING, DFlashProposer, NgramProposer, 
 from flashdraft.engine.sequence import Row
 
 BINS = 10
-PROBE_BUDGET = 0.02  # the share of its time a run where drafting never pays may spend on probes (`credit`)
+# The share of its time a batch where drafting never pays may spend on probes (`credit`). At 2%, probes
+# whose credit covered only their draft call cost chat at batch 4 3.5% (a verify of every row's drafts
+# costs more than a plain step, and a draft call after many plain steps catches up with their context).
+PROBE_BUDGET = 0.005
 CREDIT_STEPS = 64  # the most credit kept, in plain steps of the batch
 EXPLORE = 16  # a row that verified nothing for this many steps verifies its likeliest drafted token
 SPECULATION = ("fixed", "adaptive", "tree")  # what `--speculation` offers
@@ -379,6 +383,13 @@ class AdaptiveProposer(Proposer):
             self._draft_pays(rows, rows * j, rows * (1 + j), draft_s) for j in range(1, self.block_size)
         )
 
+    def probe_loss(self, rows: int, draft_s: float | None) -> float:
+        """What a probe of `rows` rows loses against a plain step when nothing is accepted: its draft call
+        and a verify of one drafted token a row, the least it verifies to measure each row."""
+        costs = self.costs(rows)
+        verify = self.verify_s(2 * rows, rows) if costs is not None else None
+        return (draft_s or 0.0) + (0.0 if verify is None else max(0.0, verify - costs[0]))
+
     def propose(self, rows, ks):
         self.draft_tokens = 0 if self.dflash is None else self.dflash.draft_tokens(ks)
         draft_s = self.draft_s(self.draft_tokens)
@@ -388,11 +399,11 @@ class AdaptiveProposer(Proposer):
         self.rows = {r: self.rows.get(r) or self._new_row() for r in rows}  # by Row: ids may be reused
         # Alone, a request probes on its schedule: its first draft step reads its prompt, an investment a
         # row that drafts pays back (humaneval: tau 1.92 -> 1.55 when its probes waited for credit).
-        # In a batch a probe waits until the credit covers its draft call, and so does a draft step on no
+        # In a batch a probe waits until the credit covers what it would lose, and so does a draft step on no
         # evidence (a row never measured counts as accepting whole blocks): a fresh proposer's first draft
         # call at batch 4 read every prompt (4 plain steps) and left the rows' slots unaligned for the
         # rest of a short run (0.94x plain on 16 chat prompts).
-        paid = len(rows) == 1 or self.credit >= (draft_s or 0.0)
+        paid = len(rows) == 1 or self.credit >= self.probe_loss(len(rows), draft_s)
         probe = self.wait == 0 and paid and self.could_pay(len(rows), draft_s)
         states = list(self.rows.values())
         evidence = paid or all(s.gain is not None for s in states)
