@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "the C++ features hold the last layer's output before the final norm",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "bf16*& to = i == n - 1 && normed ? final_copy : copies[i];",
+        "bf16*& to = false ? final_copy : copies[i];",
+        "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
         "in a batch, a probe's credit covers only its draft call, not its verify",
         "flashdraft/engine/adaptive.py",
         "self.credit >= self.probe_loss(len(rows), draft_s)",

@@ -138,16 +138,16 @@ class Runner(nn.Module):
         cache: KVCache,
         start: int,
         mask,
-        wanted,
+        features,
         lengths=None,
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The final-normed hidden states (B, T, H) and the outputs of the `wanted` layers. `mask`:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final-normed hidden states (B, T, H) and the `features` (`llama.concat_features`). `mask`:
         what `attention_mask` gives (`RunnerTarget.forward` always passes one: `windowed`)."""
         x = F.embedding(ids, self.embed) * self.embed_scale
         tables = {kind: rope_tables(positions, *rope, x.dtype) for kind, rope in self.ropes.items()}
         caught = {}
         for i, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True)):
             x = layer(x, *tables[kind], cache, i, start, mask[kind])
-            if i in wanted:
+            if i in features:
                 caught[i] = x
-        return rms_norm(x, self.norm, self.eps), caught
+        return llama.concat_features(caught, rms_norm(x, self.norm, self.eps), features, len(self.layers) - 1)

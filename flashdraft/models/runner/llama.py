@@ -21,6 +21,8 @@ the runner's logits and features equal transformers' to rounding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -197,33 +199,31 @@ class Runner(nn.Module):
         cache: KVCache,
         start: int,
         mask,
-        wanted,
+        features: Sequence[int],
         lengths=None,
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The final-normed hidden states (B, T, H) and the outputs of the `wanted` layers. `lengths` (B):
-        only row b's first lengths[b] tokens are needed (where `ragged`, only they are computed)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final-normed hidden states (B, T, H) and the `features` (`concat_features`), or None.
+        `lengths` (B): only row b's first lengths[b] tokens are needed (where `ragged`, only they are
+        computed)."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions, x.dtype)
-        if self.ragged:
-            ids = sorted(wanted)
-            out = torch.ops.flashdraft.llama_forward(  # the final norm too (the layers' eps: the config's)
-                self.handle,
-                x,
-                cos,
-                sin,
-                cache.k,
-                cache.v,
-                start,
-                mask,
-                lengths,
-                ids,
-                kernels.path(),
-                self.norm,
-            )
-            return out[0], dict(zip(ids, out[1:], strict=True))
+        if self.ragged:  # the final norm and the features' concatenation too (the layers' eps: the config's)
+            args = (cache.k, cache.v, start, mask, lengths, list(features), kernels.path(), self.norm)
+            out = torch.ops.flashdraft.llama_forward(self.handle, x, cos, sin, *args)
+            return out[0], out[1] if features else None
         caught = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, mask)
-            if i in wanted:
+            if i in features:
                 caught[i] = x
-        return rms_norm(x, self.norm, self.eps), caught
+        return concat_features(caught, rms_norm(x, self.norm, self.eps), features, len(self.layers) - 1)
+
+
+def concat_features(
+    caught: dict[int, torch.Tensor], normed: torch.Tensor, features: Sequence[int], last: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(normed, the outputs of the layers `features` side by side in that order, or None): a DFlash draft's
+    features. Layer `last`'s is the final-normed output, as transformers' last hidden state."""
+    if not features:
+        return normed, None
+    return normed, torch.cat([normed if i == last else caught[i] for i in features], -1)

@@ -141,10 +141,8 @@ class RunnerTarget:
             slots = torch.arange(start + t, device=input_ids.device)
             attention_mask = self.attention_mask(positions, slots[None] + (positions[:, :1] - start))
         n = None if lengths is None else torch.tensor(lengths, dtype=torch.long)
-        x, caught = self.runner(input_ids, positions, cache, start, attention_mask, set(features or ()), n)
+        x, feats = self.runner(input_ids, positions, cache, start, attention_mask, list(features or ()), n)
         cache.length = start + t
-        caught[self.num_layers - 1] = x  # as transformers' hidden_states[-1]: the final-normed output
-        feats = torch.cat([caught[i] for i in features], -1) if features else None
         if n is not None and logits_to_keep and self.ragged:  # each row's own last tokens
             last = (n[:, None] - logits_to_keep + torch.arange(logits_to_keep)).clamp_min(0).to(x.device)
             return self.runner.head(x.gather(1, last[:, :, None].expand(-1, -1, x.shape[-1]))), feats

@@ -549,9 +549,11 @@ void team_attention(const Model& m, Work& w, Cache cache, Scratch& scratch) {
 // wanted layer's output) and norm and quantize it for the next layer's first GEMM, so that no barrier
 // separates the layers.
 struct Next {
-  bf16* copy = nullptr;         // a wanted layer's output (b * t, hidden), at the row's token
+  bf16* copy = nullptr;         // a wanted layer's output: the features (b * t, stride), at the row's token
   const bf16* norm = nullptr;   // the next layer's norm1, the model's final norm, or none
   Acts* acts = nullptr;         // where the normed rows are quantized (none after the final norm)
+  bf16* normed = nullptr;       // where the normed rows are copied too (the final norm's, a feature)
+  int64_t stride = 0;           // the features' row width
 };
 
 // Row r of w.x: normed by `norm` into w.hx and quantized into `acts` (if any).
@@ -609,8 +611,9 @@ void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden, const 
 #pragma omp for
   for (int64_t r = 0; r < rows; ++r) {
     add(w.x + r * hidden, w.down + r * hidden, hidden);
-    if (next.copy) std::memcpy(next.copy + w.token(r) * hidden, w.x + r * hidden, hidden * sizeof(bf16));
+    if (next.copy) std::memcpy(next.copy + w.token(r) * next.stride, w.x + r * hidden, hidden * sizeof(bf16));
     if (next.norm) norm_row(m, w, next.norm, next.acts, r, hidden);
+    if (next.normed) std::memcpy(next.normed + w.token(r) * next.stride, w.hx + r * hidden, hidden * sizeof(bf16));
   }
 }
 
@@ -686,8 +689,11 @@ void llama_free(int64_t handle) {
 // row i's first lengths[i] tokens are computed, the rest are dead (a verify of chains or trees of
 // different sizes: the rows' padding costs nothing; their outputs are zeros, their cache slots are not
 // written). Returns the last layer's output, normed by `norm` (the model's final norm, bf16 (hidden),
-// the layers' eps) where given, then the outputs of the layers in `wanted`. (The final norm here
-// rather than in torch: torch.rms_norm on one row took 0.1 ms, 2% of a step.)
+// the layers' eps) where given, then, if `wanted` names layers, their outputs side by side in its order,
+// (b, t, len(wanted) * hidden): the features a DFlash draft reads, where the last layer's is its normed
+// output if `norm` is given (as transformers' last hidden state). (The final norm and the features'
+// concatenation here rather than in torch: torch.rms_norm on one row took 0.1 ms, 2% of a step, and
+// the features of a prompt were copied twice.)
 std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                       const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                                       int64_t start, const c10::optional<at::Tensor>& mask,
@@ -743,12 +749,17 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
   w.hidden.resize(rows, hidden);
   w.heads.resize(rows, heads);
   w.inter.resize(rows, inter);
+  const int64_t k = int64_t(wanted.size()), stride = k * hidden;
   std::vector<at::Tensor> out(1);
+  if (k) out.push_back(ragged ? at::zeros({b, t, stride}, x.options()) : at::empty({b, t, stride}, x.options()));
   std::vector<bf16*> copies(n, nullptr);  // where the wanted layers' outputs go
-  for (int64_t i : wanted) {
+  bf16* final_copy = nullptr;             // where the normed output goes, if it is wanted
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t i = wanted[j];
     TORCH_CHECK(i >= 0 && i < n, "llama_forward: no layer ", i);
-    out.push_back(ragged ? at::zeros_like(x) : at::empty_like(x));
-    copies[i] = out.back().data_ptr<bf16>();
+    bf16*& to = i == n - 1 && normed ? final_copy : copies[i];
+    TORCH_CHECK(!to, "llama_forward: layer ", i, " is wanted twice");
+    to = out[1].data_ptr<bf16>() + j * hidden;
   }
   std::vector<Cache> caches;
   for (int64_t i = 0; i < n; ++i) caches.push_back({keys[i].data_ptr<bf16>(), values[i].data_ptr<bf16>()});
@@ -761,7 +772,7 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
       const bool last = i + 1 == n;
       const Next next{copies[i],
                       last ? (normed ? norm->data_ptr<bf16>() : nullptr) : m.layers[i + 1].norm1.data_ptr<bf16>(),
-                      last ? nullptr : &w.hidden};
+                      last ? nullptr : &w.hidden, last ? final_copy : nullptr, stride};
       layer_team(m, m.layers[i], w, caches[i], hidden, next, scratch);
     }
   }
