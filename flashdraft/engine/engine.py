@@ -154,7 +154,9 @@ class Engine:
             trees = [t or tree.Tree.chain(drafts_l[b][: ks[b]]) for b, t in enumerate(trees)]
         else:
             trees = None
-        block = torch.cat([torch.tensor([r.tokens[-1] for r in rows], device=device)[:, None], drafts], 1)
+        block = torch.tensor([[r.tokens[-1]] for r in rows], device=device)  # the anchors
+        if k_max:
+            block = torch.cat([block, drafts], 1)
         logits, feats = self.batch.verify(block, [r.anchor for r in rows], ks, trees)
         t2 = time.perf_counter()
         if trees is not None:

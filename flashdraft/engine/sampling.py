@@ -119,8 +119,11 @@ def verify_block(
     Sampled rows run rejection sampling one by one, each with its own generator, so that a seeded
     request draws the same numbers alone or beside others."""
     accepted, bonus = [0] * len(ks), [0] * len(ks)
+    k_max = drafts.shape[1]
+    if not k_max and all(s.greedy for s in samplings):  # plain greedy decoding: nothing to match
+        return accepted, [c[0] for c in argmax(logits).tolist()]
     if any(s.greedy for s in samplings):
-        k_max, device = drafts.shape[1], drafts.device
+        device = drafts.device
         choice = argmax(logits)
         match = drafts == choice[:, :k_max]
         if len(set(ks)) > 1:  # a row's padding after its own drafts never counts as accepted
