@@ -406,7 +406,9 @@ class AdaptiveProposer(Proposer):
         paid = len(rows) == 1 or self.credit >= self.probe_loss(len(rows), draft_s)
         probe = self.wait == 0 and paid and self.could_pay(len(rows), draft_s)
         states = list(self.rows.values())
-        evidence = paid or all(s.gain is not None for s in states)
+        # While the batch waits out its backoff, its rows' gains are those its last draft step judged not
+        # to pay (a gain changes only on a draft step): no need to weigh them again every step.
+        evidence = self.wait == 0 and (paid or all(s.gain is not None for s in states))
         self.drafted = self.dflash is not None and (probe or (evidence and self.wants_draft(states, draft_s)))
         self.wait = max(0, self.wait - 1)
         if not self.drafted and len(rows) > 1:

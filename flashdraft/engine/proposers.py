@@ -262,8 +262,9 @@ class DFlashProposer(Proposer):
     def accept(self, features, n):
         if len(set(n)) > 1:
             self.aligned = False
-        for b, ctx in enumerate(self.pending):
-            ctx.add(features[b, : n[b]])
+        width = features.shape[1]  # a row that kept its whole block keeps its view as it is
+        for ctx, row, k in zip(self.pending, features.unbind(0), n, strict=True):
+            ctx.add(row if k == width else row[:k])
 
     def marginals(self) -> torch.Tensor:
         """As `Proposer.marginals`, over the draft vocabulary's columns where it has one (every finite
