@@ -206,7 +206,7 @@ class DFlashProposer(Proposer):
         self.embed_scale = float(draft.config.extra.get("input_embedding_scale", 1.0))
         self.window = draft.config.sliding_window if "sliding_attention" in draft.config.layer_types else None
         self.compactions = 0
-        self.last_logits: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None  # `last_logits`, once made
         self._marginals: torch.Tensor | None = None  # `marginals`, once per call
         # The draft's layers against the target's: a cost ratio per token, until a draft call is timed.
         self.relative_cost = draft.config.num_hidden_layers / target.num_layers
@@ -265,6 +265,19 @@ class DFlashProposer(Proposer):
         width = features.shape[1]  # a row that kept its whole block keeps its view as it is
         for ctx, row, k in zip(self.pending, features.unbind(0), n, strict=True):
             ctx.add(row if k == width else row[:k])
+
+    @property
+    def last_logits(self) -> torch.Tensor | None:
+        """The last call's block logits (B, k_max, V) over the whole vocabulary (tests compare them across
+        batch sizes), made from the draft vocabulary's columns on first use."""
+        if self._logits is None and self.draft.last_vocab_logits is not None:
+            sub, rows = self.draft.last_vocab_logits
+            self._logits = self.draft.full_logits(sub, rows, self.target.lm_head.weight.shape[0])
+        return self._logits
+
+    @last_logits.setter
+    def last_logits(self, value: torch.Tensor | None) -> None:
+        self._logits = value
 
     def marginals(self) -> torch.Tensor:
         """As `Proposer.marginals`, over the draft vocabulary's columns where it has one (every finite
@@ -331,8 +344,14 @@ class DFlashProposer(Proposer):
         hidden = self.draft(embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask)
         self.pending = [Context(r.anchor) for r in rows]  # next: the committed tokens
         context = self._contexts(rows) if self.context_vocab else None
-        logits = self.draft.propose_logits(hidden[:, 1:].to(self.target.dtype), self.target.lm_head, context)
-        self.last_logits = logits  # (B, k_max, V), for inspection (tests compare them across batch sizes)
+        # The whole vocabulary's logits only where a row samples from them (greedy rows read the draft
+        # vocabulary's columns alone; `last_logits` makes them on demand).
+        full = any(k and not row.sampling.greedy for row, k in zip(rows, ks, strict=True)) and (
+            self.tree or self.proposal == "draft"
+        )
+        hidden = hidden[:, 1:].to(self.target.dtype)
+        self._logits = self.draft.propose_logits(hidden, self.target.lm_head, context, full)
+        logits = self._logits
         self._marginals = None
         sub, ids = self.draft.last_vocab_logits or (logits, None)  # the draft vocabulary's columns alone
         greedy = None if self.tree else (argmax(sub) if ids is None else ids[argmax(sub)])

@@ -53,8 +53,14 @@ class RopeTable:
         self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (B, T, 1, D) of these positions (B, T), as `rope_tables`."""
-        need = int(positions.max()) + 1 if positions.numel() else 0
+        """cos and sin (B, T, 1, D) of these positions (B, T), as `rope_tables` (which makes them for a
+        negative position: a table has none)."""
+        if not positions.numel():
+            return rope_tables(positions, self.inv_freq, self.scale, self.dtype)
+        low, high = (int(v) for v in positions.aminmax())
+        if low < 0:
+            return rope_tables(positions, self.inv_freq, self.scale, self.dtype)
+        need = high + 1
         if need > self.cos.shape[0]:
             self._grow(max(need, 2 * self.cos.shape[0]))
         return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
