@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "a RoPE table's entries one position off",
+        "flashdraft/models/ops.py",
+        "rope_tables(torch.arange(i, i + self.BLOCK)[None], self.inv_freq",
+        "rope_tables(torch.arange(i, i + self.BLOCK)[None] + 1, self.inv_freq",
+        "tests/test_runner.py::test_a_rope_table_gives_the_bits_rope_tables_gives",
+    ),
+    (
         "the C++ features hold the last layer's output before the final norm",
         "flashdraft/models/runner/kernels/layers.cpp",
         "bf16*& to = i == n - 1 && normed ? final_copy : copies[i];",

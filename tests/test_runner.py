@@ -568,3 +568,21 @@ def test_prompts_of_different_lengths_prefilled_together_get_the_bits_they_get_a
         assert torch.equal(logits[b], one[0]), (arch, b)
         assert torch.equal(feats[b], one_feats[0]), (arch, b)
         assert torch.equal(after[b, 0], step[0, 0]), (arch, b)
+
+
+def test_a_rope_table_gives_the_bits_rope_tables_gives():
+    """The runner and the draft look RoPE's tables up in a `RopeTable` (made once, grown when a position
+    passes its end) instead of making them per forward: the same bits as `rope_tables`, for positions
+    past the first block of the table, in any order, in batches, and negative (made directly)."""
+    from flashdraft.models.ops import RopeTable, rope_tables
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        table = RopeTable(inv_freq, 1.25, dtype)
+        for pos in (
+            torch.tensor([[3]]),
+            torch.tensor([[700, 5, 129], [1, 2, 3]]),
+            torch.tensor([[-4, 0, 9]]),
+        ):
+            for got, want in zip(table(pos), rope_tables(pos, inv_freq, 1.25, dtype), strict=True):
+                assert got.dtype == want.dtype and torch.equal(got, want), (dtype, pos)
