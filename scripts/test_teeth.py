@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "the C++ draft's final norm applied with its first layer's norm weights",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "      const Next next{nullptr,\n                      last ? (normed ? norm->data_ptr<bf16>() : nullptr)",
+        "      const Next next{nullptr,\n                      last ? (normed ? m.layers[0].norm1.data_ptr<bf16>() : nullptr)",
+        "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
+    ),
+    (
         "a RoPE table's entries one position off",
         "flashdraft/models/ops.py",
         "rope_tables(torch.arange(i, i + self.BLOCK)[None], self.inv_freq",
@@ -45,8 +52,8 @@ BUGS = [
     (
         "the C++ final norm applied with the first layer's norm weights",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "last ? (normed ? norm->data_ptr<bf16>() : nullptr)",
-        "last ? (normed ? m.layers[0].norm1.data_ptr<bf16>() : nullptr)",
+        "      const Next next{copies[i],\n                      last ? (normed ? norm->data_ptr<bf16>() : nullptr)",
+        "      const Next next{copies[i],\n                      last ? (normed ? m.layers[0].norm1.data_ptr<bf16>() : nullptr)",
         "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
     ),
     (
@@ -287,22 +294,22 @@ BUGS = [
     (
         "a batch's probes spend without credit (where drafting never pays, 9 probes in 240 steps)",
         "flashdraft/engine/adaptive.py",
-        "        paid = len(rows) == 1 or self.credit >= (draft_s or 0.0)",
+        "        paid = len(rows) == 1 or self.credit >= self.probe_loss(len(rows), draft_s)",
         "        paid = True",
         "tests/test_adaptive.py::test_in_a_batch_where_the_draft_never_pays_probes_cost_at_most_their_budget",
     ),
     (
         "a request alone waits for credit before its first draft step",
         "flashdraft/engine/adaptive.py",
-        "        paid = len(rows) == 1 or self.credit >= (draft_s or 0.0)",
-        "        paid = self.credit >= (draft_s or 0.0)",
+        "        paid = len(rows) == 1 or self.credit >= self.probe_loss(len(rows), draft_s)",
+        "        paid = self.credit >= self.probe_loss(len(rows), draft_s)",
         "tests/test_adaptive.py::test_draft_or_not_is_decided_per_request",
     ),
     (
         "in a batch, a fresh proposer drafts on no evidence without credit (0.94x plain at batch 4)",
         "flashdraft/engine/adaptive.py",
-        "evidence = paid or all(s.gain is not None for s in states)",
-        "evidence = True",
+        "evidence = self.wait == 0 and (paid or all(s.gain is not None for s in states))",
+        "evidence = self.wait == 0",
         "tests/test_adaptive.py::test_in_a_batch_a_fresh_proposer_drafts_only_when_its_credit_covers_the_draft_call",
     ),
     (
@@ -562,8 +569,8 @@ BUGS = [
     (
         "tokens outside the draft vocabulary get logit 0 instead of -inf",
         "flashdraft/models/draft.py",
-        'full = sub.new_full((sub.shape[0], lm_head.weight.shape[0]), float("-inf"))',
-        "full = sub.new_full((sub.shape[0], lm_head.weight.shape[0]), 0.0)",
+        'full = sub.new_full((*sub.shape[:-1], vocab), float("-inf"))',
+        "full = sub.new_full((*sub.shape[:-1], vocab), 0.0)",
         "tests/test_draft_vocab.py",
     ),
     (
@@ -1433,9 +1440,9 @@ BUGS = [
     ),
     (
         "runner: the last feature layer before the final norm",
-        "flashdraft/models/runner/target.py",
-        "        caught[self.num_layers - 1] = x  #",
-        "        caught.setdefault(self.num_layers - 1, x)  #",
+        "flashdraft/models/runner/llama.py",
+        "torch.cat([normed if i == last else caught[i] for i in features], -1)",
+        "torch.cat([caught.get(i, normed) for i in features], -1)",
         "tests/test_runner.py::test_float64_logits_and_features_equal_transformers",
     ),
     (

@@ -448,7 +448,12 @@ def test_the_native_draft_layers_agree_with_the_torch_layers():
     import copy as copying
 
     run = quantized("llama", "q8_0")
-    draft = DFlashProposer(make_draft(run.reference.model, dtype=torch.bfloat16), run).draft
+    dense = make_draft(run.reference.model, dtype=torch.bfloat16)
+    with torch.no_grad():  # norms of their own (all ones would hide a norm applied with another's weights)
+        for name, p in dense.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    draft = DFlashProposer(dense, run).draft
     assert draft.native is not None
     twin = copying.copy(draft)
     twin.native = None  # the same weights on torch's ops

@@ -498,13 +498,15 @@ class DFlashDraft(nn.Module):
             )
         x = block_embeds
         if self.native is not None and cache is not None and not blocks:  # a quantized copy's layers in C++
-            x = self.native(x, ctx, rope_x, rope_ctx, cache, mask)
+            norm = self.norm.weight.detach()  # bf16, as the native layers are: normed there too
+            x = self.native(x, ctx, rope_x, rope_ctx, cache, mask, norm.contiguous())
         else:
             for layer in self.layers:
                 x = layer(x, ctx, rope_x, rope_ctx, cache, mask, blocks)
+            x = self.norm(x)
         if cache is not None:
             cache.length += ctx.shape[1]
-        return self.norm(x)
+        return x
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope_tables` of these positions: on the CPU looked up in a `RopeTable` (making them took 0.04 ms,

@@ -73,11 +73,12 @@ class NativeDraftLayers:
     def __deepcopy__(self, memo) -> NativeDraftLayers:
         return self  # read-only weights: copies share them (and the handle is freed once)
 
-    def __call__(self, x, ctx, rope_x, rope_ctx, cache, mask) -> torch.Tensor:
+    def __call__(self, x, ctx, rope_x, rope_ctx, cache, mask, norm=None) -> torch.Tensor:
         """The layers' output for block x (B, T, H) with new context ctx (B, C, H), their RoPE tables
         (cos, sin as `flashdraft.models.ops.rope_tables` makes them, (B, T, 1, D)) and `mask` (bool,
-        broadcastable to (B, 1, T, slots)) or None; writes the context's and the block's keys and values
-        after the cache's committed length (its length unchanged)."""
+        broadcastable to (B, 1, T, slots)) or None, normed by `norm` (the draft's final norm's weight)
+        where given; writes the context's and the block's keys and values after the cache's committed
+        length (its length unchanged)."""
         b, t, c = x.shape[0], x.shape[1], ctx.shape[1]
         start = cache.length
         cache.reserve(b, self.kv_heads, self.head_dim, c + t, self.dtype, x.device)
@@ -96,4 +97,5 @@ class NativeDraftLayers:
             start,
             mask,
             kernels.path(),
+            norm,
         )
