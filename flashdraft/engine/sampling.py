@@ -119,17 +119,15 @@ def verify_block(
     Sampled rows run rejection sampling one by one, each with its own generator, so that a seeded
     request draws the same numbers alone or beside others."""
     accepted, bonus = [0] * len(ks), [0] * len(ks)
-    k_max = drafts.shape[1]
-    if not k_max and all(s.greedy for s in samplings):  # plain greedy decoding: nothing to match
-        return accepted, [c[0] for c in argmax(logits).tolist()]
     if any(s.greedy for s in samplings):
-        device = drafts.device
+        k_max, device = drafts.shape[1], drafts.device
         choice = argmax(logits)
-        match = drafts == choice[:, :k_max]
-        if len(set(ks)) > 1:  # a row's padding after its own drafts never counts as accepted
-            match &= torch.arange(k_max, device=device) < torch.tensor(ks, device=device)[:, None]
-        accepted_t = match.cumprod(-1).sum(-1)
-        choice_l, accepted_l = choice.tolist(), accepted_t.tolist()
+        choice_l, accepted_l = choice.tolist(), [0] * len(ks)
+        if k_max:  # (plain decoding has nothing to match)
+            match = drafts == choice[:, :k_max]
+            if len(set(ks)) > 1:  # a row's padding after its own drafts never counts as accepted
+                match &= torch.arange(k_max, device=device) < torch.tensor(ks, device=device)[:, None]
+            accepted_l = match.cumprod(-1).sum(-1).tolist()
     for b, (k, cfg) in enumerate(zip(ks, samplings, strict=True)):
         if cfg.greedy:
             accepted[b], bonus[b] = accepted_l[b], choice_l[b][accepted_l[b]]

@@ -26,7 +26,7 @@ from torch import nn
 
 from flashdraft.files import atomic_write
 from flashdraft.models import masks
-from flashdraft.models.ops import RopeTable, rms_norm, rope_tables, rotate
+from flashdraft.models.ops import RopeTable, rms_norm, rotate
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -438,7 +438,7 @@ class DFlashDraft(nn.Module):
         rotary = Qwen3RotaryEmbedding(config.to_hf())
         self.inv_freq = rotary.inv_freq.detach().float()
         self.rope_scale = float(rotary.attention_scaling)
-        self.ropes: dict[torch.dtype, RopeTable] = {}  # `rope`'s tables on the CPU
+        self.ropes: dict[torch.dtype, RopeTable] = {}  # `rope`'s tables
         self.reset_parameters()
         # Token ids the draft proposes from (sorted), or None for the whole vocabulary, and the target's
         # head rows of those ids (saved as lm_head.weight). Not parameters: the draft trains no head.
@@ -509,10 +509,8 @@ class DFlashDraft(nn.Module):
         return x
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rope_tables` of these positions: on the CPU looked up in a `RopeTable` (making them took 0.04 ms,
-        twice a draft call), elsewhere made now."""
-        if positions.device.type != "cpu":
-            return rope_tables(positions, self.inv_freq, self.rope_scale, dtype)
+        """`rope_tables` of these positions, looked up on the CPU in a `RopeTable` (making them took 0.04
+        ms, twice a draft call)."""
         if dtype not in self.ropes:
             self.ropes[dtype] = RopeTable(self.inv_freq.cpu(), self.rope_scale, dtype)
         return self.ropes[dtype](positions)

@@ -53,9 +53,9 @@ class RopeTable:
         self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (B, T, 1, D) of these positions (B, T), as `rope_tables` (which makes them for a
-        negative position: a table has none)."""
-        if not positions.numel():
+        """cos and sin (B, T, 1, D) of these positions (B, T), as `rope_tables`, which makes them itself
+        off the CPU (the table lives there) and for a negative position (a table has none)."""
+        if positions.device.type != "cpu" or not positions.numel():
             return rope_tables(positions, self.inv_freq, self.scale, self.dtype)
         low, high = (int(v) for v in positions.aminmax())
         if low < 0:

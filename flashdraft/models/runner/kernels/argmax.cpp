@@ -33,17 +33,12 @@ int64_t argmax_reference(const bf16* x, int64_t n) {
   return best;
 }
 
-__attribute__((target("avx2,fma"))) __m256 load8(const bf16* x) {  // a bf16 is a float's high half
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-
 // The maximum (lanes, then the tail), then the first slot holding it; a NaN anywhere: the reference.
 __attribute__((target("avx2,fma"))) int64_t argmax_avx2(const bf16* x, int64_t n) {
   __m256 top8 = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = load8(x + i);
+    const __m256 v = load_bf16(x + i);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     top8 = _mm256_max_ps(top8, v);
   }
@@ -58,7 +53,7 @@ __attribute__((target("avx2,fma"))) int64_t argmax_avx2(const bf16* x, int64_t n
   }
   const __m256 t = _mm256_set1_ps(top);
   for (i = 0; i + 8 <= n; i += 8) {
-    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + i), t, _CMP_EQ_OQ));
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(load_bf16(x + i), t, _CMP_EQ_OQ));
     if (hit) return i + __builtin_ctz(hit);
   }
   for (; i < n; ++i)

@@ -44,6 +44,12 @@ void quantize_act(const c10::BFloat16* x, int64_t k, int64_t i, int64_t path, Ac
 void gemm_tiles(const Acts& a, const Weights& w, int64_t path, int64_t t0, int64_t t1, c10::BFloat16* y,
                 const c10::BFloat16* bias);
 
+// 8 bfloat16 values as floats with AVX2 (exact: a bf16 is a float's high half). Every file's bf16 loads.
+inline __attribute__((target("avx2,fma"))) __m256 load_bf16(const c10::BFloat16* x) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
 // 8 floats' bfloat16 bits (in 32-bit lanes) with AVX2, those of c10::BFloat16(float): round to nearest
 // even, NaN -> 0x7FC0. Both files' bf16 stores use it, so they round as torch casts.
 inline __attribute__((target("avx2,fma"))) __m256i bf16_bits(__m256 v) {

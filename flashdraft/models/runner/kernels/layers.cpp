@@ -88,11 +88,6 @@ __attribute__((target("avx2,fma"))) __m256 rb8(__m256 v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
 }
 
-__attribute__((target("avx2,fma"))) __m256 load_bf16(const bf16* x) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-
 __attribute__((target("avx2,fma"))) void store_bf16(bf16* y, __m256 v) {
   const __m256i b = bf16_bits(v);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(y),
@@ -648,6 +643,14 @@ void draft_layer_team(const Model& m, const Layer& L, Work& w, Cache cache, Acts
   output_team(m, L, w, hidden, next);
 }
 
+// Whether a forward is given a final norm (checked: contiguous bf16 of the hidden width).
+bool final_norm(const c10::optional<at::Tensor>& norm, int64_t hidden, const char* who) {
+  const bool given = norm && norm->defined();
+  TORCH_CHECK(!given || (norm->scalar_type() == at::kBFloat16 && norm->is_contiguous() && norm->numel() == hidden),
+              who, ": the final norm must be contiguous bf16 (hidden)");
+  return given;
+}
+
 const Model& model(int64_t handle) {
   TORCH_CHECK(handle >= 0 && handle < int64_t(models.size()) && models[handle], "llama: no model ", handle);
   return *models[handle];
@@ -701,9 +704,7 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
                                       int64_t path, const c10::optional<at::Tensor>& norm) {
   const Model& m = model(handle);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "llama_forward: x must be bf16 (b, t, hidden)");
-  const bool normed = norm && norm->defined();
-  TORCH_CHECK(!normed || (norm->scalar_type() == at::kBFloat16 && norm->is_contiguous() && norm->numel() == x.size(2)),
-              "llama_forward: the final norm must be contiguous bf16 (hidden)");
+  const bool normed = final_norm(norm, x.size(2), "llama_forward");
   TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "llama_forward: a cache a layer");
   const int64_t b = x.size(0), t = x.size(1);
   if (path == AUTO) path = best_path();
@@ -794,9 +795,7 @@ at::Tensor draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& 
                          const c10::optional<at::Tensor>& mask, int64_t path, const c10::optional<at::Tensor>& norm) {
   const Model& m = model(handle);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "draft_forward: x must be bf16 (b, t, hidden)");
-  const bool normed = norm && norm->defined();
-  TORCH_CHECK(!normed || (norm->scalar_type() == at::kBFloat16 && norm->is_contiguous() && norm->numel() == x.size(2)),
-              "draft_forward: the final norm must be contiguous bf16 (hidden)");
+  const bool normed = final_norm(norm, x.size(2), "draft_forward");
   const int64_t b = x.size(0), t = x.size(1), c = ctx.size(1), hidden = x.size(2), rows = b * t, n = m.layers.size();
   TORCH_CHECK(ctx.scalar_type() == at::kBFloat16 && ctx.dim() == 3 && ctx.size(0) == b && ctx.size(2) == hidden,
               "draft_forward: ctx must be bf16 (b, c, hidden)");

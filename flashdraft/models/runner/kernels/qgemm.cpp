@@ -65,9 +65,8 @@ template <typename T>
 __attribute__((target("avx2,fma"))) __m256 load8(const T* x) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm256_loadu_ps(x);
-  } else {  // bfloat16: the high half of a float
-    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+  } else {
+    return load_bf16(x);
   }
 }
 
