@@ -43,6 +43,20 @@ BUGS = [
         "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
     ),
     (
+        "the draft call's depth never grows past the deepest recent cut",
+        "flashdraft/engine/adaptive.py",
+        "        return min(self.block_size - 1, max(2, max(self.cuts) + 1))",
+        "        return min(self.block_size - 1, max(2, max(self.cuts)))",
+        "tests/test_adaptive.py::test_the_draft_call_drafts_one_position_beyond_the_deepest_recent_cut",
+    ),
+    (
+        "a request alone keeps the last request's draft depth",
+        "flashdraft/engine/adaptive.py",
+        "            self.cuts.clear()",
+        "            pass",
+        "tests/test_adaptive.py::test_the_draft_call_drafts_one_position_beyond_the_deepest_recent_cut",
+    ),
+    (
         "in a batch, a probe's credit covers only its draft call, not its verify",
         "flashdraft/engine/adaptive.py",
         "self.credit >= self.probe_loss(len(rows), draft_s)",

@@ -487,3 +487,50 @@ def test_in_a_batch_ngram_lookup_verifies_nothing(tiny_llama, monkeypatch):
     assert adaptive.stats["ngram_rows"] == 0, adaptive.stats
     generate(tiny_llama, prompts[0], adaptive, cfg)
     assert adaptive.stats["ngram_rows"] > 0, adaptive.stats
+
+
+class FirstRightOracle(OracleProposer):
+    """Drafts the true next token, sure of it (peak 0.95), then wrong tokens it is unsure of (peak 0.35): once
+    calibrated, every cut keeps one token. Records the depth of every draft call (`ks`)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls: list[int] = []
+
+    def propose(self, rows, ks):
+        if rows[0].room > 7:  # not a call that the request's end cut short
+            self.calls.append(max(ks))
+        out = super().propose(rows, ks)
+        v = self.vocab
+        self.last_logits = torch.zeros(len(rows), max(ks), v)
+        for i, c in enumerate([0.95] + [0.35] * (max(ks) - 1)):
+            self.last_logits[:, i, 0] = math.log(c * (v - 1) / (1 - c))  # softmax peak c
+        return out
+
+    def propose_row(self, row, k):
+        guess = self.truth[len(row.tokens) : len(row.tokens) + k]
+        return torch.tensor([guess[0]] + [(t + 1) % self.vocab for t in guess[1:]]), None
+
+
+@pytest.mark.parametrize("right", [1, 7])
+def test_the_draft_call_drafts_one_position_beyond_the_deepest_recent_cut(tiny_llama, right):
+    """A draft call's cost grows with its positions, so it drafts as deep as the last draft steps' cuts
+    went, plus one to grow: where only the first drafted token is ever accepted, calls of 2 positions;
+    where all are, whole blocks (7). A request's first call, before any cut of its own, drafts the whole
+    block."""
+    prompt = [9, 8, 7]
+    truth = generate(tiny_llama, prompt, None, GenerationConfig(60)).tokens
+    oracle = FirstRightOracle(len(prompt), truth, 128, random.Random(0))
+    if right == 7:  # every drafted token right and sure
+        oracle.propose_row = lambda row, k: (torch.tensor(truth[len(row.tokens) : len(row.tokens) + k]), None)
+        oracle.rng.random = lambda: 0.0
+    adaptive = AdaptiveProposer(oracle)
+    adaptive.block_size = 8
+    res = generate(tiny_llama, prompt, adaptive, GenerationConfig(60, block_size=8))
+    assert res.tokens == truth
+    calls = oracle.calls
+    assert calls[0] == 7 and len(calls) > 5, calls
+    assert calls[-3:] == ([2] * 3 if right == 1 else [7] * 3), calls
+    oracle.calls = []  # the next request alone starts from the whole block again
+    assert generate(tiny_llama, prompt, adaptive, GenerationConfig(60, block_size=8)).tokens == truth
+    assert oracle.calls[0] == 7, oracle.calls
