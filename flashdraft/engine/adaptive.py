@@ -410,7 +410,8 @@ class AdaptiveProposer(Proposer):
         alone = len(rows) == 1 and rows[0] not in self.rows  # a request alone: a fresh probe schedule, depth
         if alone:
             self.cuts.clear()
-        full_ks, ks = ks, [min(k, self.depth()) for k in ks]  # n-gram lookup: the full block; DFlash: `depth`
+        depth = self.depth()
+        full_ks, ks = ks, [min(k, depth) for k in ks]  # n-gram lookup: the full block; DFlash: `depth`
         self.draft_tokens = 0 if self.dflash is None else self.dflash.draft_tokens(ks)
         draft_s = self.draft_s(self.draft_tokens)
         if alone:
