@@ -293,8 +293,8 @@ BUGS = [
     (
         "the adaptive probe schedule carries over from one request to the next",
         "flashdraft/engine/adaptive.py",
-        "        if len(rows) == 1 and rows[0] not in self.rows:  # a request alone: a fresh probe schedule",
-        "        if False:",
+        "        alone = len(rows) == 1 and rows[0] not in self.rows  # a request alone: a fresh probe schedule, depth",
+        "        alone = False",
         "tests/test_adaptive.py::test_draft_or_not_is_decided_per_request",
     ),
     (
@@ -364,10 +364,10 @@ BUGS = [
     (
         "n-gram lookup verifies tokens in a batch (where they lost: 0.95x plain)",
         "flashdraft/engine/adaptive.py",
-        "            ng = [self.ngram.lookup(rows[0], ks[0]) if ks[0] else (NOTHING, 0)]",
-        "            ng = [self.ngram.lookup(r, k) if k else (NOTHING, 0) for r, k in zip(rows, ks, strict=True)]\n"
+        "            ng = [self.ngram.lookup(rows[0], full_ks[0]) if full_ks[0] else (NOTHING, 0)]",
+        "            ng = [self.ngram.lookup(r, k) if k else (NOTHING, 0) for r, k in zip(rows, full_ks, strict=True)]\n"
         "        if self.ngram is not None and len(rows) > 1:\n"
-        "            ng = [self.ngram.lookup(r, k) if k else (NOTHING, 0) for r, k in zip(rows, ks, strict=True)]",
+        "            ng = [self.ngram.lookup(r, k) if k else (NOTHING, 0) for r, k in zip(rows, full_ks, strict=True)]",
         "tests/test_adaptive.py::test_in_a_batch_ngram_lookup_verifies_nothing",
     ),
     (
@@ -450,7 +450,7 @@ BUGS = [
     (
         "the adaptive step never compares itself with a plain step",
         "flashdraft/engine/adaptive.py",
-        "        if not self.pays(rows, best_gain, rows * (1 + best)):",
+        "        if not self.pays(rows, best_gain, best_tokens or self.verified(picks, best)):",
         "        if False:",
         "tests/test_adaptive.py::test_a_step_that_does_not_beat_a_plain_step_verifies_nothing",
     ),
@@ -597,8 +597,8 @@ BUGS = [
     (
         "runner: a verify block's queries see the drafts after them (no causal mask)",
         "flashdraft/models/runner/target.py",
-        "        if attention_mask is None and (t > 1 or self.runner.windowed):",
-        "        if attention_mask is None and self.runner.windowed:",
+        "        if attention_mask is None and (t > 1 or self.runner.windowed) and not self.runner.ragged:",
+        "        if attention_mask is None and self.runner.windowed and not self.runner.ragged:",
         "tests/test_decode.py::test_greedy_equals_transformers_generate",
     ),
     (
@@ -1364,8 +1364,8 @@ BUGS = [
     (
         "proposers: embeddings scaled only while the rows are aligned",
         "flashdraft/engine/proposers.py",
-        "        if self.embed_scale != 1.0:\n            embeds = embeds * self.embed_scale\n        if self.aligned and len(set(ks)) == 1:  # one set of positions for all rows, no mask\n",
-        "        if self.aligned and len(set(ks)) == 1:  # one set of positions for all rows, no mask\n            embeds = embeds * self.embed_scale\n",
+        "        if self.embed_scale != 1.0:\n            embeds = embeds * self.embed_scale\n        aligned = self.aligned and len(set(ks)) == 1  # one set of positions for all rows, no mask\n",
+        "        aligned = self.aligned and len(set(ks)) == 1  # one set of positions for all rows, no mask\n        if aligned:\n            embeds = embeds * self.embed_scale\n",
         "tests/test_batch.py::test_draft_options_batched_equal_single_row",
     ),
     (
@@ -1427,7 +1427,7 @@ BUGS = [
     (
         "adaptive: the cost measured at each verify size ignored (a line through all sizes)",
         "flashdraft/engine/adaptive.py",
-        "        if tokens in self.verify_cost.by_size:",
+        "        if (rows, tokens) in self.verify_cost.by_size:",
         "        if False:",
         "tests/test_adaptive.py::test_rows_are_cut_below_a_cost_step",
     ),
@@ -1581,16 +1581,23 @@ BUGS = [
     (
         "layers.cpp: the AVX2 dot product's lanes reduced in another order",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "    s = _mm_add_ps(s, _mm_movehl_ps(s, s));\n    s = _mm_add_ss(s, _mm_movehdup_ps(s));",
-        "    s = _mm_hadd_ps(s, s);\n    s = _mm_hadd_ps(s, s);",
+        "  const __m256 c01 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xEE));",
+        "  const __m256 c01 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x88), _mm256_shuffle_ps(b[0], b[1], 0xDD));",
         "tests/test_runner.py::test_native_layers_give_the_same_bits_on_every_path",
     ),
     (
         "layers.cpp: the mask ignored (a verify row sees the tokens after it)",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "s[j] = mask[i] ? s[j] * scale + mask[i][j] : s[j] * scale;",
-        "s[j] = s[j] * scale;",
-        "tests/test_runner.py::test_quantized_verify_rows_equal_one_token_steps_bitwise",
+        "    exp_scores(s + i * stride, len[i], mask[i], scale, vector);",
+        "    exp_scores(s + i * stride, len[i], nullptr, scale, vector);",
+        "tests/test_tree.py::test_tree_node_logits_equal_the_one_token_steps_of_its_path",
+    ),
+    (
+        "layers.cpp: the AVX2 scores ignore the mask (the scalar path adds it)",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "    _mm256_storeu_ps(s + j, mask ? _mm256_add_ps(v, _mm256_loadu_ps(mask + j)) : v);",
+        "    _mm256_storeu_ps(s + j, v);",
+        "tests/test_runner.py::test_native_layers_give_the_same_bits_on_every_path",
     ),
     (
         "layers.cpp: SiLU's exp on 8 lanes rounds differently from the scalar one",

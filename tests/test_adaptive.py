@@ -475,16 +475,21 @@ def test_in_a_batch_ngram_lookup_verifies_nothing(tiny_llama, monkeypatch):
     """In a batch a verified token costs about what a plain one does on a CPU, and n-gram matches were
     accepted too rarely to pay there (docs/speed.md): n-gram lookup proposes for a row alone only. Here
     verified tokens are made cheap (a verify of 8 tokens costs 1.08 plain steps), so a batch would verify
-    matches if lookups were made: four repetitive prompts of one length run together and verify none;
-    the first of them alone does."""
+    matches if lookups were made: four repetitive prompts of one length run together and verify none,
+    on the batch's draft steps too (a useless, unsure draft, whose first step is a probe: nothing is
+    timed yet); the first of them alone does."""
     monkeypatch.setitem(globals(), "VERIFY_S", 1.0)
     monkeypatch.setitem(globals(), "PER_TOKEN_S", 0.01)
     prompts = [[5, 6, 7, 8] * 4, [9, 6, 7, 8] * 4, [5, 10, 7, 8] * 4, [5, 6, 11, 8] * 4]
-    cfg = GenerationConfig(24)
-    adaptive = AdaptiveProposer(None, NgramProposer())
+    cfg = GenerationConfig(24, block_size=8)
+    truth = [generate(tiny_llama, p, None, cfg).tokens for p in prompts]
+    oracle = ConfidentOracle(len(prompts[0]), truth[0], 128, random.Random(0))
+    oracle.rng.random, oracle.confidence = (lambda: 0.9), 0.15  # first drafted token always wrong, unsure
+    adaptive = AdaptiveProposer(oracle, NgramProposer())
+    adaptive.block_size = 8
     res = generate_batch(tiny_llama, prompts, config=cfg, proposer=adaptive, max_batch_size=4)
-    assert [r.tokens for r in res] == [generate(tiny_llama, p, None, cfg).tokens for p in prompts]
-    assert adaptive.stats["ngram_rows"] == 0, adaptive.stats
+    assert [r.tokens for r in res] == truth
+    assert adaptive.stats["draft_steps"] > 0 and adaptive.stats["ngram_rows"] == 0, adaptive.stats
     generate(tiny_llama, prompts[0], adaptive, cfg)
     assert adaptive.stats["ngram_rows"] > 0, adaptive.stats
 

@@ -145,10 +145,12 @@ def quantized(arch: str, quantize: str | Quantization) -> RunnerTarget:
     )
 
 
-def smol_shaped(arch: str, quantize: str | Quantization) -> RunnerTarget:
+def smol_shaped(arch: str, quantize: str | Quantization, sharp: float = 1.0) -> RunnerTarget:
     """Two layers of SmolLM2-135M's shapes (576 wide, 9 heads of 64, 3 kv heads, MLP 1536), random:
     the kernels' blocking depends on the shapes, and with the tiny test models' (heads of 16) even
-    SDPA happens to round the same for 1 and 8 queries."""
+    SDPA happens to round the same for 1 and 8 queries. `sharp` scales the queries and keys (their
+    projections, and Qwen3's norms of them): random weights give attention scores near 1, where a
+    score's last bit hardly ever reaches a bf16 output."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -174,6 +176,8 @@ def smol_shaped(arch: str, quantize: str | Quantization) -> RunnerTarget:
                 p.normal_(0.0, 0.05)
             else:  # norms of their own (all ones would hide a norm applied with another's weights)
                 p.uniform_(0.5, 1.5)
+            if any(k in name for k in ("q_proj.weight", "k_proj.weight", "q_norm", "k_norm")):
+                p.mul_(sharp)
     return RunnerTarget.from_target(Target(model.eval()), quantize, torch.bfloat16)
 
 
@@ -203,21 +207,32 @@ def test_native_layers_agree_with_the_torch_layers(arch):
 @pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
 def test_native_layers_give_the_same_bits_on_every_path():
     """The C++ layers on the scalar reference path, AVX2 and AVX-512 (where the CPU runs them): equal
-    logits and features, for a batch of two rows with a mask, and the torch-kernel fallback has none."""
+    logits and features, for a batch of two rows in causal order and with a mask (the second row
+    left-padded), and the torch-kernel fallback has none."""
     from test_kernels import runnable
 
-    run = smol_shaped("qwen3", "q4_1")
-    # enough queries and slots that a score rounded differently shows in some bf16 output
-    ids, pos = torch.randint(0, 256, (2, 96)), torch.arange(96).expand(2, -1)
+    from flashdraft.models.masks import DEAD
+
+    # Sharp attention and many queries and slots, so that a score rounded differently shows in some bf16
+    # output: with random weights' scores near 1 a dot product's lanes summed in another order never
+    # did, and with sharper ones in 2 of 4 random batches of 2 rows, in 3 of 3 of 8 rows (test_teeth).
+    run = smol_shaped("qwen3", "q4_1", sharp=2.0)
+    g = torch.Generator().manual_seed(0)
+    ids, pos = torch.randint(0, 256, (8, 96), generator=g), torch.arange(96).expand(8, -1)
+    padded = pos - torch.tensor([[0], [10]]).repeat(4, 1)  # odd rows: 10 slots of padding, then 86 tokens
+    mask = run.attention_mask(padded.clamp_min(0), torch.where(padded >= 0, padded, DEAD))
     outs = []
     try:
         for path in runnable():
             kernels.force(path)
             outs.append(run.forward(ids, pos, run.new_cache(), features=[0, 1]))
+            outs.append(run.forward(ids, padded.clamp_min(0), run.new_cache(), attention_mask=mask))
     finally:
         kernels.force("auto")
-    for path, (logits, feats) in zip(runnable(), outs, strict=True):
+    for i, path in enumerate(runnable()):
+        (logits, feats), (masked, _) = outs[2 * i], outs[2 * i + 1]
         assert torch.equal(logits, outs[0][0]) and torch.equal(feats, outs[0][1]), path
+        assert torch.equal(masked, outs[1][0]), path
     assert smol_shaped("llama", "int8").runner.handle is None
 
 
