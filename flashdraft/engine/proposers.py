@@ -275,10 +275,6 @@ class DFlashProposer(Proposer):
             self._logits = self.draft.full_logits(sub, rows, self.target.lm_head.weight.shape[0])
         return self._logits
 
-    @last_logits.setter
-    def last_logits(self, value: torch.Tensor | None) -> None:
-        self._logits = value
-
     def marginals(self) -> torch.Tensor:
         """As `Proposer.marginals`, over the draft vocabulary's columns where it has one (every finite
         logit is one of them: 4x cheaper), made once per call for all rows."""

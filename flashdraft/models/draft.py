@@ -483,8 +483,6 @@ class DFlashDraft(nn.Module):
         queries are consecutive blocks of B tokens and `mask` (b, 1, Q, C) says which context positions
         each may see; each block also sees itself, nothing else (the fast training layout).
         """
-        if self.inv_freq.device != block_positions.device:  # once: it is not a buffer `.to` moves
-            self.inv_freq = self.inv_freq.to(block_positions.device)
         if ctx_features is not None and ctx_features.shape[1]:
             ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
             rope_ctx = self.rope(ctx_positions, ctx.dtype)
@@ -512,7 +510,7 @@ class DFlashDraft(nn.Module):
         """`rope_tables` of these positions, looked up on the CPU in a `RopeTable` (making them took 0.04
         ms, twice a draft call)."""
         if dtype not in self.ropes:
-            self.ropes[dtype] = RopeTable(self.inv_freq.cpu(), self.rope_scale, dtype)
+            self.ropes[dtype] = RopeTable(self.inv_freq, self.rope_scale, dtype)
         return self.ropes[dtype](positions)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
