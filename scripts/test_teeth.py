@@ -22,6 +22,27 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "the C++ draft call's vocabulary head reads each row's anchor instead of the position after it",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "row = r / (t - 1) * t + r % (t - 1) + 1;",
+        "row = r / (t - 1) * t + r % (t - 1);",
+        "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "the C++ draft call's hidden norm applied with the final norm's weights",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "rms_norm(fco.data_ptr<bf16>() + r * hidden, fc[2].data_ptr<bf16>(),",
+        "rms_norm(fco.data_ptr<bf16>() + r * hidden, norm->data_ptr<bf16>(),",
+        "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "the C++ draft call's context skips its hidden norm",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "        rms_norm(fco.data_ptr<bf16>() + r * hidden, fc[2].data_ptr<bf16>(), kx.data_ptr<bf16>() + (rows + r) * hidden, 1,\n                 hidden, hidden, m.eps, path != REFERENCE);",
+        "        std::memcpy(kx.data_ptr<bf16>() + (rows + r) * hidden, fco.data_ptr<bf16>() + r * hidden, hidden * 2);",
+        "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
+    ),
+    (
         "the C++ draft's final norm applied with its first layer's norm weights",
         "flashdraft/models/runner/kernels/layers.cpp",
         "      const Next next{nullptr,\n                      last ? (normed ? norm->data_ptr<bf16>() : nullptr)",

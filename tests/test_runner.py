@@ -459,8 +459,12 @@ def test_the_native_draft_layers_agree_with_the_torch_layers():
     """The quantized draft's layers as one C++ call (models/runner/draft.py) against the same copy's torch
     layers, draft call after draft call on one cache: context arriving 5, 3 and 0 tokens at a time, then
     two rows with a mask that hides dead slots. The hidden states stay within bf16 rounding of each other,
-    and so do the keys and values left in the caches (the native call writes them itself)."""
+    and so do the keys and values left in the caches (the native call writes them itself; it also runs
+    the draft's fc and hidden norm on the raw features). The vocabulary head the call applies gives the
+    bits of that head applied to the call's own output, position by position after each anchor."""
     import copy as copying
+
+    from flashdraft.models.draft import quantized_rows
 
     run = quantized("llama", "q8_0")
     dense = make_draft(run.reference.model, dtype=torch.bfloat16)
@@ -474,6 +478,7 @@ def test_the_native_draft_layers_agree_with_the_torch_layers():
     twin.native = None  # the same weights on torch's ops
     g = torch.Generator().manual_seed(1)
     caches = draft.new_cache(), twin.new_cache()
+    head = quantized_rows(run.lm_head, torch.arange(0, 128, 3), "q8_0")  # 43 rows: a partial last tile
 
     def call(rows: int, ctx_len: int, block: int, mask=None) -> None:
         start = caches[0].length
@@ -481,11 +486,13 @@ def test_the_native_draft_layers_agree_with_the_torch_layers():
         ctx = torch.randn(rows, ctx_len, draft.fc.in_features, generator=g).bfloat16()
         ctx_pos = torch.arange(start, start + ctx_len).expand(rows, -1)
         pos = torch.arange(start + ctx_len, start + ctx_len + block).expand(rows, -1)
-        got, want = (
-            m(embeds, pos, ctx, ctx_pos, cache=c, mask=mask)
+        (got, logits), (want, none) = (
+            m(embeds, pos, ctx, ctx_pos, cache=c, mask=mask, head=head)
             for m, c in zip((draft, twin), caches, strict=True)
         )
+        assert none is None  # torch's layers leave the head to the caller
         assert (got.float() - want.float()).norm() / want.float().norm() < 0.02, (rows, ctx_len, block)
+        assert torch.equal(logits, head(got[:, 1:])), (rows, ctx_len, block)
         assert caches[0].length == caches[1].length == start + ctx_len
         for k0, k1 in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
             a, b = k0[:, :, : start + ctx_len + block].float(), k1[:, :, : start + ctx_len + block].float()

@@ -337,7 +337,10 @@ class DFlashProposer(Proposer):
             keys = Slots(n_rows, self.slots.length, self.slots.kpos, device)
             keys.advance([k + 1 for k in ks], blk_pos)
             mask = masks.draft_visibility(keys.positions(), blk_pos, self.window)
-        hidden = self.draft(embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask)
+        # The draft vocabulary's head rows, applied in the draft's own call where its layers run in C++.
+        head = self.draft.vocab_head(self.target.lm_head)[0] if self.draft.vocab is not None else None
+        out = self.draft(embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask, head=head)
+        hidden, raw = out if head is not None else (out, None)
         self.pending = [Context(r.anchor) for r in rows]  # next: the committed tokens
         context = self._contexts(rows) if self.context_vocab else None
         # The whole vocabulary's logits only where a row samples from them (greedy rows read the draft
@@ -346,7 +349,7 @@ class DFlashProposer(Proposer):
             self.tree or self.proposal == "draft"
         )
         hidden = hidden[:, 1:].to(self.target.dtype)
-        self._logits = self.draft.propose_logits(hidden, self.target.lm_head, context, full)
+        self._logits = self.draft.propose_logits(hidden, self.target.lm_head, context, full, raw)
         logits = self._logits
         self._marginals = None
         sub, ids = self.draft.last_vocab_logits or (logits, None)  # the draft vocabulary's columns alone

@@ -471,7 +471,8 @@ class DFlashDraft(nn.Module):
         cache: KVCache | None = None,
         mask: torch.Tensor | None = None,
         blocks: int = 0,
-    ) -> torch.Tensor:
+        head: nn.Module | None = None,
+    ):
         """Hidden states (after the final norm) for the block tokens.
 
         block_embeds: (B, Q, H) target embeddings of [anchor, MASK, ...]; ctx_features: (B, C, n*H)
@@ -482,10 +483,19 @@ class DFlashDraft(nn.Module):
         inference (mask None) attends everywhere. With `blocks` = B the
         queries are consecutive blocks of B tokens and `mask` (b, 1, Q, C) says which context positions
         each may see; each block also sees itself, nothing else (the fast training layout).
+
+        `head` (a draft vocabulary's head, `vocab_head`): returns (hidden, its logits of the block's
+        positions after the anchor (B, Q - 1, rows)), the logits made in the native layers' own call
+        where they run, else None there (the caller applies the head).
         """
+        native = self.native is not None and cache is not None and not blocks  # a quantized copy's, in C++
+        fc = None
         if ctx_features is not None and ctx_features.shape[1]:
-            ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
-            rope_ctx = self.rope(ctx_positions, ctx.dtype)
+            if native and self.native.fusable(self.fc):  # fc and the hidden norm in the same C++ call
+                fc, ctx = (self.fc, self.hidden_norm.weight.detach()), ctx_features.to(block_embeds.dtype)
+            else:
+                ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
+            rope_ctx = self.rope(ctx_positions, block_embeds.dtype)
         else:
             ctx = block_embeds[:, :0]
             rope_ctx = None
@@ -494,17 +504,18 @@ class DFlashDraft(nn.Module):
             mask = masks.window_masks(
                 mask, block_positions, ctx_positions, self.config.sliding_window, blocks
             )
-        x = block_embeds
-        if self.native is not None and cache is not None and not blocks:  # a quantized copy's layers in C++
+        x, logits = block_embeds, None
+        if native:
             norm = self.norm.weight.detach()  # bf16, as the native layers are: normed there too
-            x = self.native(x, ctx, rope_x, rope_ctx, cache, mask, norm.contiguous())
+            fused = head if head is not None and self.native.fusable(head) and x.shape[1] > 1 else None
+            x, logits = self.native(x, ctx, rope_x, rope_ctx, cache, mask, norm.contiguous(), fc, fused)
         else:
             for layer in self.layers:
                 x = layer(x, ctx, rope_x, rope_ctx, cache, mask, blocks)
             x = self.norm(x)
         if cache is not None:
             cache.length += ctx.shape[1]
-        return x
+        return x if head is None else (x, logits)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope_tables` of these positions, looked up on the CPU in a `RopeTable` (making them took 0.04
@@ -513,8 +524,13 @@ class DFlashDraft(nn.Module):
             self.ropes[dtype] = RopeTable(self.inv_freq, self.rope_scale, dtype)
         return self.ropes[dtype](positions)
 
-    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        logits = lm_head(hidden) * float(self.config.extra.get("output_multiplier", 1.0))
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module | None, raw: torch.Tensor | None = None):
+        """The head's logits of `hidden` (or its output `raw`, already computed), scaled and capped as
+        the target scales and caps its own."""
+        logits = lm_head(hidden) if raw is None else raw
+        multiplier = float(self.config.extra.get("output_multiplier", 1.0))
+        if multiplier != 1.0:
+            logits = logits * multiplier
         cap = self.config.extra.get("final_logit_softcapping")
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -555,6 +571,7 @@ class DFlashDraft(nn.Module):
         lm_head: nn.Module,
         context: list[torch.Tensor] | None = None,
         full: bool = True,
+        raw: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Logits over the whole vocabulary for proposing: with a draft vocabulary, only its rows of the
         LM head are computed (the head dominates the draft's cost) and every other token gets -inf, so
@@ -571,14 +588,16 @@ class DFlashDraft(nn.Module):
 
         `full` False, with a draft vocabulary and no context: None, and only `last_vocab_logits` is made
         (what a greedy proposal reads; `full_logits` makes the rest on demand): filling the whole
-        vocabulary's columns took 0.14 ms of a 2 ms draft call of the shipped draft on a 2-core EPYC."""
+        vocabulary's columns took 0.14 ms of a 2 ms draft call of the shipped draft on a 2-core EPYC.
+
+        `raw`: the draft vocabulary's head already applied to `hidden` (`forward`'s `head`)."""
         lead = hidden.shape[:-1]
         hidden = hidden.reshape(-1, hidden.shape[-1])
         self.last_vocab_logits = None
         if self.vocab is None:
             return self.logits(hidden, lm_head).view(*lead, -1)
         head, rows = self.vocab_head(lm_head)
-        sub = self.logits(hidden, head)
+        sub = self.logits(hidden, head, None if raw is None else raw.reshape(hidden.shape[0], -1))
         if context is not None:
             logits = self.full_logits(sub, rows, lm_head.weight.shape[0])
             self._context_logits(logits, hidden, lm_head, context)

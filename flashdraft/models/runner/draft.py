@@ -70,15 +70,26 @@ class NativeDraftLayers:
         if getattr(self, "handle", None) is not None:
             torch.ops.flashdraft.llama_free(self.handle)
 
+    @staticmethod
+    def fusable(linear) -> bool:
+        """Whether the call can run this linear (the draft's fc or its vocabulary's head) itself: our
+        kernels' blocks, bf16 activations, no bias."""
+        return isinstance(linear, BlockLinear) and linear.bias is None and linear.dtype == torch.bfloat16
+
     def __deepcopy__(self, memo) -> NativeDraftLayers:
         return self  # read-only weights: copies share them (and the handle is freed once)
 
-    def __call__(self, x, ctx, rope_x, rope_ctx, cache, mask, norm=None) -> torch.Tensor:
+    def __call__(self, x, ctx, rope_x, rope_ctx, cache, mask, norm=None, fc=None, head=None):
         """The layers' output for block x (B, T, H) with new context ctx (B, C, H), their RoPE tables
         (cos, sin as `flashdraft.models.ops.rope_tables` makes them, (B, T, 1, D)) and `mask` (bool,
         broadcastable to (B, 1, T, slots)) or None, normed by `norm` (the draft's final norm's weight)
         where given; writes the context's and the block's keys and values after the cache's committed
-        length (its length unchanged)."""
+        length (its length unchanged). `fc` (the draft's fc, a `BlockLinear`, and its hidden norm's
+        weight): ctx is the target's raw features (B, C, fc inputs) and both run in the same C++ call.
+        `head` (a `BlockLinear`, with `norm`): also the logits of the block's positions after its anchor
+        (B, T - 1, head outputs) from the normed output, else None. In the engine's loop every torch op
+        around the call runs after the target's weights swept the caches (a norm of 3 rows took 0.15
+        ms there, 0.02 ms warm), so what the call can do itself, it does."""
         b, t, c = x.shape[0], x.shape[1], ctx.shape[1]
         start = cache.length
         cache.reserve(b, self.kv_heads, self.head_dim, c + t, self.dtype, x.device)
@@ -86,7 +97,8 @@ class NativeDraftLayers:
             rope_ctx = (x.new_zeros(b, 0, 1, self.head_dim),) * 2
         if mask is not None:  # the kernels add it: boolean to additive
             mask = masks.additive(mask).expand(b, 1, t, start + c + t)
-        return torch.ops.flashdraft.draft_forward(
+        linear, norm_weight = fc if fc is not None else (None, None)
+        out = torch.ops.flashdraft.draft_forward(
             self.handle,
             x.contiguous(),
             ctx.contiguous(),
@@ -98,4 +110,12 @@ class NativeDraftLayers:
             mask,
             kernels.path(),
             norm,
+            [] if fc is None else [linear.packed, linear.scales, norm_weight],
+            [] if head is None else [head.packed, head.scales],
+            [
+                kernels.KINDS[linear.kind] if fc is not None else 0,
+                head.out_features if head is not None else 0,
+                kernels.KINDS[head.kind] if head is not None else 0,
+            ],
         )
+        return out[0], (out[1] if head is not None else None)

@@ -788,17 +788,39 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
 // and values at slots start.. of each layer's cache (b, kv_heads, capacity, head_dim); `mask` (b, 1, t,
 // start + c + t) additive float32, or none: every slot seen. Returns the last layer's output, normed by
 // `norm` (the draft's final norm, bf16 (hidden), its layers' eps) where given (torch's norm of a block took
-// 0.1 ms of a 2 ms draft call in the engine's loop).
-at::Tensor draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& ctx, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& ccos, const at::Tensor& csin,
-                         const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t start,
-                         const c10::optional<at::Tensor>& mask, int64_t path, const c10::optional<at::Tensor>& norm) {
+// 0.1 ms of a 2 ms draft call in the engine's loop), then, where `head` is given, the logits of the
+// block's rows after its first (b, t - 1, n) from those normed rows.
+// `fc` (packed, scales, the hidden norm's weight; `kinds` [0] its kind): ctx is the target's raw features
+// (b, c, fc inputs), and the draft's fc and hidden norm run here (torch's were 0.15-0.2 ms of a draft
+// call in the engine's loop, where every op runs with caches the target's weights have just swept).
+// `head` (packed, scales; `kinds` [1], [2] its outputs and kind): the draft vocabulary's head rows.
+std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& ctx,
+                                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ccos,
+                                      const at::Tensor& csin, const std::vector<at::Tensor>& keys,
+                                      const std::vector<at::Tensor>& values, int64_t start,
+                                      const c10::optional<at::Tensor>& mask, int64_t path,
+                                      const c10::optional<at::Tensor>& norm, const std::vector<at::Tensor>& fc,
+                                      const std::vector<at::Tensor>& head, const std::vector<int64_t>& kinds) {
   const Model& m = model(handle);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "draft_forward: x must be bf16 (b, t, hidden)");
   const bool normed = final_norm(norm, x.size(2), "draft_forward");
   const int64_t b = x.size(0), t = x.size(1), c = ctx.size(1), hidden = x.size(2), rows = b * t, n = m.layers.size();
-  TORCH_CHECK(ctx.scalar_type() == at::kBFloat16 && ctx.dim() == 3 && ctx.size(0) == b && ctx.size(2) == hidden,
-              "draft_forward: ctx must be bf16 (b, c, hidden)");
+  TORCH_CHECK((fc.empty() || fc.size() == 3) && (head.empty() || head.size() == 2) && kinds.size() == 3,
+              "draft_forward: fc is (packed, scales, norm), head (packed, scales), kinds 3 ints");
+  TORCH_CHECK(head.empty() || (normed && t > 1), "draft_forward: a head needs the final norm and a block past its anchor");
+  const Linear fcl{fc.empty() ? at::Tensor() : fc[0], fc.empty() ? at::Tensor() : fc[1], at::Tensor(), hidden, kinds[0]};
+  const Linear hl{head.empty() ? at::Tensor() : head[0], head.empty() ? at::Tensor() : head[1], at::Tensor(), kinds[1],
+                  kinds[2]};
+  TORCH_CHECK(ctx.scalar_type() == at::kBFloat16 && ctx.dim() == 3 && ctx.size(0) == b &&
+                  (fc.empty() ? ctx.size(2) == hidden : ctx.size(2) <= fc[0].size(1) * 32),
+              "draft_forward: ctx must be bf16 (b, c, hidden), or (b, c, fc's inputs) with fc");
+  TORCH_CHECK(fc.empty() || (fc[2].scalar_type() == at::kBFloat16 && fc[2].is_contiguous() && fc[2].numel() == hidden),
+              "draft_forward: the hidden norm must be contiguous bf16 (hidden)");
+  for (const Linear* l : {&fcl, &hl})
+    TORCH_CHECK(!l->packed.defined() || (l->packed.dim() == 3 && l->packed.size(0) * 16 >= l->n &&
+                                         l->packed.size(2) == (l->kind == Q8_0 ? 512 : 256)),
+                "draft_forward: fc or head packed weights do not match their outputs and kind");
+  TORCH_CHECK(head.empty() || head[0].size(1) * 32 >= hidden, "draft_forward: the head's inputs must be the hidden size");
   TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "draft_forward: a cache a layer");
   TORCH_CHECK(m.layers[0].qnorm.numel(), "draft_forward: a DFlash draft's layers have q and k norms");
   const int64_t end = start + c + t;
@@ -816,7 +838,14 @@ at::Tensor draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& 
   const int64_t inter = L0.gate_up.n / 2, heads = m.heads * m.head_dim;
   auto buffer = [&](int64_t r, int64_t width) { return at::empty({r, width}, x.options()); };
   at::Tensor h = x.reshape({rows, hidden}).clone(), kx = buffer(rows + b * c, hidden);
-  kx.narrow(0, rows, b * c).copy_(ctx.reshape({b * c, hidden}));
+  const at::Tensor raw = ctx.reshape({b * c, ctx.size(2)}).contiguous();
+  if (fc.empty()) kx.narrow(0, rows, b * c).copy_(raw);
+  Acts fca;  // the raw context, quantized for fc
+  if (!fc.empty()) fca.resize(b * c, raw.size(1));
+  at::Tensor fco = fc.empty() ? at::Tensor() : buffer(b * c, hidden);  // fc's output, before the hidden norm
+  Acts ha;  // the block's normed rows after the first, quantized for the head
+  if (!head.empty()) ha.resize(b * (t - 1), hidden);
+  at::Tensor logits = head.empty() ? at::Tensor() : at::empty({b, t - 1, kinds[1]}, x.options());
   const at::Tensor hx = buffer(rows, hidden), qv = buffer(rows + b * c, L0.qkv.n), att = buffer(rows, heads),
                    o = buffer(rows, hidden), gu = buffer(rows, 2 * inter), act = buffer(rows, inter),
                    down = buffer(rows, hidden);
@@ -836,6 +865,15 @@ at::Tensor draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& 
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     Scratch scratch;
+    if (!fc.empty()) {  // the context through fc and the hidden norm into kx's rows after the block's
+#pragma omp for
+      for (int64_t i = 0; i < b * c * fca.blocks; ++i) quantize_act(raw.data_ptr<bf16>(), raw.size(1), i, path, fca);
+      team_gemm(fca, fcl, fco.data_ptr<bf16>(), path);
+#pragma omp for
+      for (int64_t r = 0; r < b * c; ++r)
+        rms_norm(fco.data_ptr<bf16>() + r * hidden, fc[2].data_ptr<bf16>(), kx.data_ptr<bf16>() + (rows + r) * hidden, 1,
+                 hidden, hidden, m.eps, path != REFERENCE);
+    }
 #pragma omp for nowait
     for (int64_t i = rows * kv.blocks; i < (rows + b * c) * kv.blocks; ++i)  // the context, once for all layers
       quantize_act(kx.data_ptr<bf16>(), hidden, i, path, kv);
@@ -849,8 +887,18 @@ at::Tensor draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& 
       draft_layer_team(m, m.layers[i], w, caches[i], kv, c, c2.data_ptr<bf16>(), s2.data_ptr<bf16>(), hidden, next,
                        scratch);
     }
+    if (!head.empty()) {  // the head over the normed rows 1..t - 1 of each row of the batch
+#pragma omp for
+      for (int64_t i = 0; i < b * (t - 1) * ha.blocks; ++i) {
+        const int64_t r = i / ha.blocks, row = r / (t - 1) * t + r % (t - 1) + 1;  // skip each anchor
+        quantize_act(hx.data_ptr<bf16>() + (row - r) * hidden, hidden, i, path, ha);
+      }
+      team_gemm(ha, hl, logits.data_ptr<bf16>(), path);
+    }
   }
-  return (normed ? hx : h).view(x.sizes());
+  std::vector<at::Tensor> out{(normed ? hx : h).view(x.sizes())};
+  if (!head.empty()) out.push_back(logits);
+  return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
@@ -861,6 +909,7 @@ TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
         "Tensor? mask, Tensor? lengths, int[] wanted, int path, Tensor? norm=None) -> Tensor[]",
         &llama_forward);
   m.def("draft_forward(int handle, Tensor x, Tensor ctx, Tensor cos, Tensor sin, Tensor ccos, Tensor csin, "
-        "Tensor[] keys, Tensor[] values, int start, Tensor? mask, int path, Tensor? norm=None) -> Tensor",
+        "Tensor[] keys, Tensor[] values, int start, Tensor? mask, int path, Tensor? norm, Tensor[] fc, "
+        "Tensor[] head, int[] kinds) -> Tensor[]",
         &draft_forward);
 }
