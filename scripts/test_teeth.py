@@ -22,6 +22,27 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "the C++ target forward looks RoPE rows up one position late",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "const at::Tensor c = rope_rows(cos, positions, \"llama_forward\")",
+        "const at::Tensor c = rope_rows(cos, positions ? c10::optional<at::Tensor>(*positions + 1) : positions, \"llama_forward\")",
+        "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "the C++ draft call looks its context's RoPE rows up one position late",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "c2 = rope_rows(ccos, cpositions, \"draft_forward\")",
+        "c2 = rope_rows(ccos, cpositions ? c10::optional<at::Tensor>(*cpositions + 1) : cpositions, \"draft_forward\")",
+        "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "the C++ forward embeds each token as the next id",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "return rows_of(*embed, x, who).view(",
+        "return rows_of(*embed, (x + 1).clamp_max(embed->size(0) - 1), who).view(",
+        "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
         "the C++ draft call's vocabulary head reads each row's anchor instead of the position after it",
         "flashdraft/models/runner/kernels/layers.cpp",
         "row = r / (t - 1) * t + r % (t - 1) + 1;",
@@ -285,8 +306,8 @@ BUGS = [
     (
         "padded draft slots compared like drafts in batched greedy verification",
         "flashdraft/engine/sampling.py",
-        "match &= torch.arange(k_max, device=device) < torch.tensor(ks, device=device)[:, None]",
-        "match &= torch.arange(k_max, device=device) >= 0",
+        "while a < k and mine[a] == target[a]:",
+        "while a < len(mine) and mine[a] == target[a]:",
         "tests/test_batch.py::test_padding_equal_to_the_true_next_token_is_never_accepted",
     ),
     (

@@ -489,17 +489,23 @@ class DFlashDraft(nn.Module):
         where they run, else None there (the caller applies the head).
         """
         native = self.native is not None and cache is not None and not blocks  # a quantized copy's, in C++
-        fc = None
-        if ctx_features is not None and ctx_features.shape[1]:
+        fc, dtype = None, block_embeds.dtype
+        has_ctx = ctx_features is not None and ctx_features.shape[1]
+        if has_ctx:
             if native and self.native.fusable(self.fc):  # fc and the hidden norm in the same C++ call
-                fc, ctx = (self.fc, self.hidden_norm.weight.detach()), ctx_features.to(block_embeds.dtype)
+                fc, ctx = (self.fc, self.hidden_norm.weight.detach()), ctx_features.to(dtype)
             else:
-                ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
-            rope_ctx = self.rope(ctx_positions, block_embeds.dtype)
+                ctx = self.hidden_norm(self.fc(ctx_features.to(dtype)))
         else:
             ctx = block_embeds[:, :0]
-            rope_ctx = None
-        rope_x = self.rope(block_positions, block_embeds.dtype)
+        table = self.rope_table(dtype)
+        if native and table.covers(block_positions) and (not has_ctx or table.covers(ctx_positions)):
+            # the C++ call looks the positions' rows up in the whole tables itself
+            whole = table.cos, table.sin
+            rope_x, rope_ctx = (whole, block_positions), (whole, ctx_positions) if has_ctx else None
+        else:
+            rope_x = self.rope(block_positions, dtype)
+            rope_ctx = self.rope(ctx_positions, dtype) if has_ctx else None
         if isinstance(mask, torch.Tensor) and "sliding_attention" in self.config.layer_types:
             mask = masks.window_masks(
                 mask, block_positions, ctx_positions, self.config.sliding_window, blocks
@@ -520,9 +526,12 @@ class DFlashDraft(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope_tables` of these positions, looked up on the CPU in a `RopeTable` (making them took 0.04
         ms, twice a draft call)."""
+        return self.rope_table(dtype)(positions)
+
+    def rope_table(self, dtype: torch.dtype) -> RopeTable:
         if dtype not in self.ropes:
             self.ropes[dtype] = RopeTable(self.inv_freq, self.rope_scale, dtype)
-        return self.ropes[dtype](positions)
+        return self.ropes[dtype]
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module | None, raw: torch.Tensor | None = None):
         """The head's logits of `hidden` (or its output `raw`, already computed), scaled and capped as

@@ -57,13 +57,20 @@ class RopeTable:
         off the CPU (the table lives there) and for a negative position (a table has none)."""
         if positions.device.type != "cpu" or not positions.numel():
             return rope_tables(positions, self.inv_freq, self.scale, self.dtype)
+        if not self.covers(positions):
+            return rope_tables(positions, self.inv_freq, self.scale, self.dtype)
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+
+    def covers(self, positions: torch.Tensor) -> bool:
+        """Whether the tables hold rows for these positions (grown to, where they are past its end);
+        False for a negative one. Then `cos` and `sin` (n, D) are what the C++ forwards look them up in
+        (their `positions` argument)."""
         low, high = (int(v) for v in positions.aminmax())
         if low < 0:
-            return rope_tables(positions, self.inv_freq, self.scale, self.dtype)
-        need = high + 1
-        if need > self.cos.shape[0]:
-            self._grow(max(need, 2 * self.cos.shape[0]))
-        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+            return False
+        if high >= self.cos.shape[0]:
+            self._grow(max(high + 1, 2 * self.cos.shape[0]))
+        return True
 
     def _grow(self, n: int) -> None:
         n = -(-n // self.BLOCK) * self.BLOCK

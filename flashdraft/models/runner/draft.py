@@ -89,12 +89,15 @@ class NativeDraftLayers:
         `head` (a `BlockLinear`, with `norm`): also the logits of the block's positions after its anchor
         (B, T - 1, head outputs) from the normed output, else None. In the engine's loop every torch op
         around the call runs after the target's weights swept the caches (a norm of 3 rows took 0.15
-        ms there, 0.02 ms warm), so what the call can do itself, it does."""
+        ms there, 0.02 ms warm), so what the call can do itself, it does: `rope_x` and `rope_ctx` may
+        also be ((cos, sin) of a whole `RopeTable`, positions (B, T) or (B, C)), looked up in the call."""
         b, t, c = x.shape[0], x.shape[1], ctx.shape[1]
         start = cache.length
         cache.reserve(b, self.kv_heads, self.head_dim, c + t, self.dtype, x.device)
         if rope_ctx is None:
             rope_ctx = (x.new_zeros(b, 0, 1, self.head_dim),) * 2
+        (cos, sin), positions = _tables(rope_x)
+        (ccos, csin), cpositions = _tables(rope_ctx)
         if mask is not None:  # the kernels add it: boolean to additive
             mask = masks.additive(mask).expand(b, 1, t, start + c + t)
         linear, norm_weight = fc if fc is not None else (None, None)
@@ -102,8 +105,10 @@ class NativeDraftLayers:
             self.handle,
             x.contiguous(),
             ctx.contiguous(),
-            *(t.flatten(2).contiguous() for t in rope_x),
-            *(t.flatten(2).contiguous() for t in rope_ctx),
+            cos,
+            sin,
+            ccos,
+            csin,
             cache.k,
             cache.v,
             start,
@@ -117,5 +122,16 @@ class NativeDraftLayers:
                 head.out_features if head is not None else 0,
                 kernels.KINDS[head.kind] if head is not None else 0,
             ],
+            None,
+            positions,
+            cpositions,
         )
         return out[0], (out[1] if head is not None else None)
+
+
+def _tables(rope):
+    """((cos, sin), positions) for `draft_forward`: a whole table's and the positions to look up, or
+    the positions' own rows (B, T, 1, D) as (B, T, D) and None."""
+    if isinstance(rope[0], tuple):
+        return rope
+    return tuple(t.flatten(2) for t in rope), None

@@ -177,9 +177,12 @@ class Runner(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables of these positions (`flashdraft.models.ops.rope_tables`, from a table)."""
+        return self.table(dtype)(positions)
+
+    def table(self, dtype: torch.dtype) -> RopeTable:
         if dtype not in self.ropes:
             self.ropes[dtype] = RopeTable(self.inv_freq, self.rope_scale, dtype)
-        return self.ropes[dtype](positions)
+        return self.ropes[dtype]
 
     @staticmethod
     def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -205,12 +208,18 @@ class Runner(nn.Module):
         """The final-normed hidden states (B, T, H) and the `features` (`concat_features`), or None.
         `lengths` (B): only row b's first lengths[b] tokens are needed (where `ragged`, only they are
         computed)."""
+        if self.ragged:  # the final norm and the features' concatenation too (the layers' eps: the config's)
+            # and the lookups of the embeddings and RoPE rows (in `llama_forward`, from the whole tables)
+            table = self.table(self.embed.dtype)
+            whole = table.covers(positions)
+            cos, sin = (table.cos, table.sin) if whole else table(positions)
+            args = (cache.k, cache.v, start, mask, lengths, list(features), kernels.path(), self.norm)
+            out = torch.ops.flashdraft.llama_forward(
+                self.handle, ids, cos, sin, *args, self.embed, positions if whole else None
+            )
+            return out[0], out[1] if features else None
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions, x.dtype)
-        if self.ragged:  # the final norm and the features' concatenation too (the layers' eps: the config's)
-            args = (cache.k, cache.v, start, mask, lengths, list(features), kernels.path(), self.norm)
-            out = torch.ops.flashdraft.llama_forward(self.handle, x, cos, sin, *args)
-            return out[0], out[1] if features else None
         caught = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, mask)

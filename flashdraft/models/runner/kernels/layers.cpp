@@ -656,6 +656,41 @@ const Model& model(int64_t handle) {
   return *models[handle];
 }
 
+// The rows of `table` (n, width) at `index` (any shape, int64), side by side: (index.numel(), width).
+// The forward's lookups (token embeddings, RoPE tables) done here, not as torch ops before the call: in
+// the engine's loop each torch op runs after the weights swept the caches (the embedding and the two
+// tables' lookups took 0.14 ms of a plain step there, 0.03 ms warm).
+at::Tensor rows_of(const at::Tensor& table, const at::Tensor& index, const char* who) {
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && index.scalar_type() == at::kLong, who,
+              ": a lookup needs a contiguous (n, width) table and int64 indices");
+  const at::Tensor idx = index.contiguous();
+  const int64_t n = idx.numel(), width = table.size(1), bytes = width * table.element_size();
+  at::Tensor out = at::empty({n, width}, table.options());
+  const int64_t* ix = idx.data_ptr<int64_t>();
+  const char* from = static_cast<const char*>(table.data_ptr());
+  char* to = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(ix[i] >= 0 && ix[i] < table.size(0), who, ": index ", ix[i], " is outside the table's ", table.size(0),
+                " rows");
+    std::memcpy(to + i * bytes, from + ix[i] * bytes, bytes);
+  }
+  return out;
+}
+
+// A forward's input rows: x as given (bf16 (b, t, hidden)), or, with `embed` (vocab, hidden), the
+// embeddings of the token ids x (b, t).
+at::Tensor inputs(const at::Tensor& x, const c10::optional<at::Tensor>& embed, const char* who) {
+  if (!embed || !embed->defined()) return x;
+  TORCH_CHECK(x.dim() == 2, who, ": token ids must be (b, t)");
+  return rows_of(*embed, x, who).view({x.size(0), x.size(1), embed->size(1)});
+}
+
+// RoPE rows: `table` as given ((b, t, 1, head_dim) or (b, t, head_dim)), or, with `positions` (b, t), the
+// rows of a whole table (n, head_dim) at those positions.
+at::Tensor rope_rows(const at::Tensor& table, const c10::optional<at::Tensor>& positions, const char* who) {
+  return positions && positions->defined() ? rows_of(table, *positions, who) : table.contiguous();
+}
+
 }  // namespace
 
 // A model from its tensors, 16 a layer: norm1, norm2, q_norm, k_norm (empty if none), then for qkv,
@@ -696,13 +731,18 @@ void llama_free(int64_t handle) {
 // (b, t, len(wanted) * hidden): the features a DFlash draft reads, where the last layer's is its normed
 // output if `norm` is given (as transformers' last hidden state). (The final norm and the features'
 // concatenation here rather than in torch: torch.rms_norm on one row took 0.1 ms, 2% of a step, and
-// the features of a prompt were copied twice.)
-std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                      const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                                      int64_t start, const c10::optional<at::Tensor>& mask,
-                                      const c10::optional<at::Tensor>& lengths, const std::vector<int64_t>& wanted,
-                                      int64_t path, const c10::optional<at::Tensor>& norm) {
+// the features of a prompt were copied twice.) With `embed` (vocab, hidden), x is token ids (b, t) and
+// the layers run over their embeddings; with `positions` (b, t), cos and sin are whole tables (n,
+// head_dim) and each token takes the row of its position (`rows_of`).
+std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, const at::Tensor& cos,
+                                      const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                                      const std::vector<at::Tensor>& values, int64_t start,
+                                      const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& lengths,
+                                      const std::vector<int64_t>& wanted, int64_t path,
+                                      const c10::optional<at::Tensor>& norm, const c10::optional<at::Tensor>& embed,
+                                      const c10::optional<at::Tensor>& positions) {
   const Model& m = model(handle);
+  const at::Tensor x = inputs(input, embed, "llama_forward");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "llama_forward: x must be bf16 (b, t, hidden)");
   const bool normed = final_norm(norm, x.size(2), "llama_forward");
   TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "llama_forward: a cache a layer");
@@ -725,7 +765,8 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
   const at::Tensor index = ragged ? at::tensor(slot, at::kLong) : at::Tensor();
   at::Tensor h = x.reshape({b * t, x.size(2)});
   h = ragged ? h.index_select(0, index) : h.clone();
-  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  const at::Tensor c = rope_rows(cos, positions, "llama_forward"), s = rope_rows(sin, positions, "llama_forward");
+  TORCH_CHECK(c.numel() == b * t * m.head_dim && s.numel() == c.numel(), "llama_forward: RoPE tables of (b, t, head_dim)");
   at::Tensor mk;
   if (mask && mask->defined()) {
     mk = mask->to(at::kFloat).contiguous();
@@ -794,14 +835,18 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& x, const
 // (b, c, fc inputs), and the draft's fc and hidden norm run here (torch's were 0.15-0.2 ms of a draft
 // call in the engine's loop, where every op runs with caches the target's weights have just swept).
 // `head` (packed, scales; `kinds` [1], [2] its outputs and kind): the draft vocabulary's head rows.
-std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& x, const at::Tensor& ctx,
+// `embed`, `positions` as `llama_forward`'s (the block's ids and positions), `cpositions` the context's.
+std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, const at::Tensor& ctx,
                                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ccos,
                                       const at::Tensor& csin, const std::vector<at::Tensor>& keys,
                                       const std::vector<at::Tensor>& values, int64_t start,
                                       const c10::optional<at::Tensor>& mask, int64_t path,
                                       const c10::optional<at::Tensor>& norm, const std::vector<at::Tensor>& fc,
-                                      const std::vector<at::Tensor>& head, const std::vector<int64_t>& kinds) {
+                                      const std::vector<at::Tensor>& head, const std::vector<int64_t>& kinds,
+                                      const c10::optional<at::Tensor>& embed, const c10::optional<at::Tensor>& positions,
+                                      const c10::optional<at::Tensor>& cpositions) {
   const Model& m = model(handle);
+  const at::Tensor x = inputs(input, embed, "draft_forward");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "draft_forward: x must be bf16 (b, t, hidden)");
   const bool normed = final_norm(norm, x.size(2), "draft_forward");
   const int64_t b = x.size(0), t = x.size(1), c = ctx.size(1), hidden = x.size(2), rows = b * t, n = m.layers.size();
@@ -849,7 +894,11 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& x, const
   const at::Tensor hx = buffer(rows, hidden), qv = buffer(rows + b * c, L0.qkv.n), att = buffer(rows, heads),
                    o = buffer(rows, hidden), gu = buffer(rows, 2 * inter), act = buffer(rows, inter),
                    down = buffer(rows, hidden);
-  const at::Tensor c1 = cos.contiguous(), s1 = sin.contiguous(), c2 = ccos.contiguous(), s2 = csin.contiguous();
+  const at::Tensor c1 = rope_rows(cos, positions, "draft_forward"), s1 = rope_rows(sin, positions, "draft_forward"),
+                   c2 = rope_rows(ccos, cpositions, "draft_forward"), s2 = rope_rows(csin, cpositions, "draft_forward");
+  TORCH_CHECK(c1.numel() == rows * m.head_dim && s1.numel() == c1.numel() && c2.numel() == b * c * m.head_dim &&
+                  s2.numel() == c2.numel(),
+              "draft_forward: RoPE tables of (b, t, head_dim) and (b, c, head_dim)");
   Work w{h.data_ptr<bf16>(), hx.data_ptr<bf16>(), qv.data_ptr<bf16>(), att.data_ptr<bf16>(), o.data_ptr<bf16>(),
          gu.data_ptr<bf16>(), act.data_ptr<bf16>(), down.data_ptr<bf16>(), {}, {}, {},
          c1.data_ptr<bf16>(), s1.data_ptr<bf16>(), b, t, start + c, keys[0].size(2), path,
@@ -906,10 +955,11 @@ TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
         &llama_new);
   m.def("llama_free(int handle) -> ()", &llama_free);
   m.def("llama_forward(int handle, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int start, "
-        "Tensor? mask, Tensor? lengths, int[] wanted, int path, Tensor? norm=None) -> Tensor[]",
+        "Tensor? mask, Tensor? lengths, int[] wanted, int path, Tensor? norm=None, Tensor? embed=None, "
+        "Tensor? positions=None) -> Tensor[]",
         &llama_forward);
   m.def("draft_forward(int handle, Tensor x, Tensor ctx, Tensor cos, Tensor sin, Tensor ccos, Tensor csin, "
         "Tensor[] keys, Tensor[] values, int start, Tensor? mask, int path, Tensor? norm, Tensor[] fc, "
-        "Tensor[] head, int[] kinds) -> Tensor[]",
+        "Tensor[] head, int[] kinds, Tensor? embed=None, Tensor? positions=None, Tensor? cpositions=None) -> Tensor[]",
         &draft_forward);
 }
