@@ -24,15 +24,15 @@ BUGS = [
     (
         "the C++ target forward looks RoPE rows up one position late",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "const at::Tensor c = rope_rows(cos, positions, \"llama_forward\")",
-        "const at::Tensor c = rope_rows(cos, positions ? c10::optional<at::Tensor>(*positions + 1) : positions, \"llama_forward\")",
+        'const at::Tensor c = rope_rows(cos, positions, "llama_forward")',
+        'const at::Tensor c = rope_rows(cos, positions ? c10::optional<at::Tensor>(*positions + 1) : positions, "llama_forward")',
         "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
     ),
     (
         "the C++ draft call looks its context's RoPE rows up one position late",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "c2 = rope_rows(ccos, cpositions, \"draft_forward\")",
-        "c2 = rope_rows(ccos, cpositions ? c10::optional<at::Tensor>(*cpositions + 1) : cpositions, \"draft_forward\")",
+        'c2 = rope_rows(ccos, cpositions, "draft_forward")',
+        'c2 = rope_rows(ccos, cpositions ? c10::optional<at::Tensor>(*cpositions + 1) : cpositions, "draft_forward")',
         "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
     ),
     (
