@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "the C++ draft call's greedy picks are head rows, not their token ids",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "out.push_back(head[2].index_select(0, argmax_rows(logits, path).view(-1)).view({b, t - 1}));",
+        "out.push_back(argmax_rows(logits, path).view({b, t - 1}));",
+        "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
+    ),
+    (
         "the C++ target forward looks RoPE rows up one position late",
         "flashdraft/models/runner/kernels/layers.cpp",
         'const at::Tensor c = rope_rows(cos, positions, "llama_forward")',

@@ -461,7 +461,9 @@ def test_the_native_draft_layers_agree_with_the_torch_layers():
     two rows with a mask that hides dead slots. The hidden states stay within bf16 rounding of each other,
     and so do the keys and values left in the caches (the native call writes them itself; it also runs
     the draft's fc and hidden norm on the raw features). The vocabulary head the call applies gives the
-    bits of that head applied to the call's own output, position by position after each anchor."""
+    bits of that head applied to the call's own output, position by position after each anchor, and its
+    greedy picks are the ids of those logits' first maxima; the block arrives as token ids, looked up in
+    the call (the torch layers look them up with F.embedding)."""
     import copy as copying
 
     from flashdraft.models.draft import quantized_rows
@@ -478,21 +480,24 @@ def test_the_native_draft_layers_agree_with_the_torch_layers():
     twin.native = None  # the same weights on torch's ops
     g = torch.Generator().manual_seed(1)
     caches = draft.new_cache(), twin.new_cache()
-    head = quantized_rows(run.lm_head, torch.arange(0, 128, 3), "q8_0")  # 43 rows: a partial last tile
+    ids = torch.arange(0, 128, 3)
+    head = quantized_rows(run.lm_head, ids, "q8_0"), ids  # 43 rows: a partial last tile
+    table = torch.randn(128, 64, generator=g).bfloat16()  # the block's embeddings, by token id
 
     def call(rows: int, ctx_len: int, block: int, mask=None) -> None:
         start = caches[0].length
-        embeds = torch.randn(rows, block, 64, generator=g).bfloat16()
+        tokens = torch.randint(0, 128, (rows, block), generator=g)  # the native call looks them up
         ctx = torch.randn(rows, ctx_len, draft.fc.in_features, generator=g).bfloat16()
         ctx_pos = torch.arange(start, start + ctx_len).expand(rows, -1)
         pos = torch.arange(start + ctx_len, start + ctx_len + block).expand(rows, -1)
-        (got, logits), (want, none) = (
-            m(embeds, pos, ctx, ctx_pos, cache=c, mask=mask, head=head)
+        (got, logits, picks), (want, *none) = (
+            m(tokens, pos, ctx, ctx_pos, cache=c, mask=mask, head=head, embed=table)
             for m, c in zip((draft, twin), caches, strict=True)
         )
-        assert none is None  # torch's layers leave the head to the caller
+        assert none == [None, None]  # torch's layers leave the head to the caller
         assert (got.float() - want.float()).norm() / want.float().norm() < 0.02, (rows, ctx_len, block)
-        assert torch.equal(logits, head(got[:, 1:])), (rows, ctx_len, block)
+        assert torch.equal(logits, head[0](got[:, 1:])), (rows, ctx_len, block)
+        assert torch.equal(picks, ids[logits.float().argmax(-1)]), (rows, ctx_len, block)
         assert caches[0].length == caches[1].length == start + ctx_len
         for k0, k1 in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
             a, b = k0[:, :, : start + ctx_len + block].float(), k1[:, :, : start + ctx_len + block].float()

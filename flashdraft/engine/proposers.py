@@ -204,6 +204,10 @@ class DFlashProposer(Proposer):
         self.block_size = draft.config.block_size
         self.mask_id = draft.config.mask_token_id
         self.embed_scale = float(draft.config.extra.get("input_embedding_scale", 1.0))
+        # The target's embedding table, where the draft's native call looks its block up itself
+        table = getattr(target, "embedding_table", None)
+        native = draft.native is not None and self.embed_scale == 1.0
+        self.embedding = table if native and table is not None and table.dtype == torch.bfloat16 else None
         self.window = draft.config.sliding_window if "sliding_attention" in draft.config.layer_types else None
         self.compactions = 0
         self._logits: torch.Tensor | None = None  # `last_logits`, once made
@@ -309,11 +313,13 @@ class DFlashProposer(Proposer):
             for b, f in enumerate(feats):
                 ctx[b, : f.shape[0]] = f
         # Block [anchor, MASK...] of the longest row's length; slots past a row's own k are dead for it.
-        block = torch.full((n_rows, k_max + 1), self.mask_id, dtype=torch.long, device=device)
-        block[:, 0] = torch.tensor([r.tokens[-1] for r in rows], device=device)
-        embeds = self.target.embed(block).to(self.draft.fc.weight.dtype)
-        if self.embed_scale != 1.0:
-            embeds = embeds * self.embed_scale
+        block = torch.tensor([[r.tokens[-1]] + [self.mask_id] * k_max for r in rows], device=device)
+        if self.embedding is not None:  # looked up in the draft's native call
+            embeds = block
+        else:
+            embeds = self.target.embed(block).to(self.draft.fc.weight.dtype)
+            if self.embed_scale != 1.0:
+                embeds = embeds * self.embed_scale
         aligned = self.aligned and len(set(ks)) == 1  # one set of positions for all rows, no mask
         if aligned:
             start = self.cache.length
@@ -338,9 +344,11 @@ class DFlashProposer(Proposer):
             keys.advance([k + 1 for k in ks], blk_pos)
             mask = masks.draft_visibility(keys.positions(), blk_pos, self.window)
         # The draft vocabulary's head rows, applied in the draft's own call where its layers run in C++.
-        head = self.draft.vocab_head(self.target.lm_head)[0] if self.draft.vocab is not None else None
-        out = self.draft(embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask, head=head)
-        hidden, raw = out if head is not None else (out, None)
+        head = self.draft.vocab_head(self.target.lm_head) if self.draft.vocab is not None else None
+        out = self.draft(
+            embeds, blk_pos, ctx, ctx_pos, cache=self.cache, mask=mask, head=head, embed=self.embedding
+        )
+        hidden, raw, picks = out if head is not None else (out, None, None)
         self.pending = [Context(r.anchor) for r in rows]  # next: the committed tokens
         context = self._contexts(rows) if self.context_vocab else None
         # The whole vocabulary's logits only where a row samples from them (greedy rows read the draft
@@ -348,12 +356,15 @@ class DFlashProposer(Proposer):
         full = any(k and not row.sampling.greedy for row, k in zip(rows, ks, strict=True)) and (
             self.tree or self.proposal == "draft"
         )
-        hidden = hidden[:, 1:].to(self.target.dtype)
+        # the block's hidden states, where the head is still to be applied (or a request's own tokens')
+        hidden = hidden[:, 1:].to(self.target.dtype) if raw is None or context is not None else None
         self._logits = self.draft.propose_logits(hidden, self.target.lm_head, context, full, raw)
         logits = self._logits
         self._marginals = None
         sub, ids = self.draft.last_vocab_logits or (logits, None)  # the draft vocabulary's columns alone
-        greedy = None if self.tree else (argmax(sub) if ids is None else ids[argmax(sub)])
+        if picks is None and not self.tree:
+            picks = argmax(sub) if ids is None else ids[argmax(sub)]
+        greedy = picks
         out = []
         for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
             if k == 0:

@@ -471,7 +471,8 @@ class DFlashDraft(nn.Module):
         cache: KVCache | None = None,
         mask: torch.Tensor | None = None,
         blocks: int = 0,
-        head: nn.Module | None = None,
+        head: tuple[nn.Module, torch.Tensor] | None = None,
+        embed: torch.Tensor | None = None,
     ):
         """Hidden states (after the final norm) for the block tokens.
 
@@ -484,24 +485,28 @@ class DFlashDraft(nn.Module):
         queries are consecutive blocks of B tokens and `mask` (b, 1, Q, C) says which context positions
         each may see; each block also sees itself, nothing else (the fast training layout).
 
-        `head` (a draft vocabulary's head, `vocab_head`): returns (hidden, its logits of the block's
-        positions after the anchor (B, Q - 1, rows)), the logits made in the native layers' own call
-        where they run, else None there (the caller applies the head).
+        For proposing, where the native layers run (a quantized copy's, `quantized`) their one C++ call
+        does what it can (in the engine's loop every torch op runs with caches the target's weights
+        have just swept): `embed` (vocab, H), and block_embeds holds the block's token ids (B, Q) to
+        look up in it; `head` (the draft vocabulary's head rows and their ids, `vocab_head`), and the
+        result is (hidden, the logits of the block's positions after the anchor (B, Q - 1, rows), each
+        position's greedy choice (B, Q - 1)), the last two None where the call did not make them.
         """
         native = self.native is not None and cache is not None and not blocks  # a quantized copy's, in C++
-        fc, dtype = None, block_embeds.dtype
+        if embed is not None and not native:
+            block_embeds, embed = F.embedding(block_embeds, embed), None
+        dtype = block_embeds.dtype if embed is None else embed.dtype
+        b, raw = block_embeds.shape[0], native and self.native.fc is not None
         has_ctx = ctx_features is not None and ctx_features.shape[1]
-        if has_ctx:
-            if native and self.native.fusable(self.fc):  # fc and the hidden norm in the same C++ call
-                fc, ctx = (self.fc, self.hidden_norm.weight.detach()), ctx_features.to(dtype)
-            else:
-                ctx = self.hidden_norm(self.fc(ctx_features.to(dtype)))
+        if not has_ctx:
+            ctx = torch.empty(b, 0, self.config.hidden_size, dtype=dtype, device=block_embeds.device)
+        elif raw:  # fc and the hidden norm in the native call
+            ctx = ctx_features.to(dtype)
         else:
-            ctx = block_embeds[:, :0]
+            ctx = self.hidden_norm(self.fc(ctx_features.to(dtype)))
         table = self.rope_table(dtype)
-        if native and table.covers(block_positions) and (not has_ctx or table.covers(ctx_positions)):
-            # the C++ call looks the positions' rows up in the whole tables itself
-            whole = table.cos, table.sin
+        if native and table.covers(block_positions):  # the context's positions come before the block's
+            whole = table.cos, table.sin  # the C++ call looks the positions' rows up itself
             rope_x, rope_ctx = (whole, block_positions), (whole, ctx_positions) if has_ctx else None
         else:
             rope_x = self.rope(block_positions, dtype)
@@ -510,18 +515,17 @@ class DFlashDraft(nn.Module):
             mask = masks.window_masks(
                 mask, block_positions, ctx_positions, self.config.sliding_window, blocks
             )
-        x, logits = block_embeds, None
+        x, logits, picks = block_embeds, None, None
         if native:
-            norm = self.norm.weight.detach()  # bf16, as the native layers are: normed there too
-            fused = head if head is not None and self.native.fusable(head) and x.shape[1] > 1 else None
-            x, logits = self.native(x, ctx, rope_x, rope_ctx, cache, mask, norm.contiguous(), fc, fused)
+            fused = head if head is not None and self.native.fusable(head[0]) and x.shape[1] > 1 else None
+            x, logits, picks = self.native(x, ctx, rope_x, rope_ctx, cache, mask, raw, fused, embed)
         else:
             for layer in self.layers:
                 x = layer(x, ctx, rope_x, rope_ctx, cache, mask, blocks)
             x = self.norm(x)
         if cache is not None:
             cache.length += ctx.shape[1]
-        return x if head is None else (x, logits)
+        return x if head is None else (x, logits, picks)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope_tables` of these positions, looked up on the CPU in a `RopeTable` (making them took 0.04
@@ -599,14 +603,16 @@ class DFlashDraft(nn.Module):
         (what a greedy proposal reads; `full_logits` makes the rest on demand): filling the whole
         vocabulary's columns took 0.14 ms of a 2 ms draft call of the shipped draft on a 2-core EPYC.
 
-        `raw`: the draft vocabulary's head already applied to `hidden` (`forward`'s `head`)."""
-        lead = hidden.shape[:-1]
-        hidden = hidden.reshape(-1, hidden.shape[-1])
+        `raw`: the draft vocabulary's head already applied to `hidden` (`forward`'s `head`); then
+        `hidden` is needed (and may be None) only with `context`."""
+        lead = (hidden if raw is None else raw).shape[:-1]
+        if hidden is not None:
+            hidden = hidden.reshape(-1, hidden.shape[-1])
         self.last_vocab_logits = None
         if self.vocab is None:
             return self.logits(hidden, lm_head).view(*lead, -1)
         head, rows = self.vocab_head(lm_head)
-        sub = self.logits(hidden, head, None if raw is None else raw.reshape(hidden.shape[0], -1))
+        sub = self.logits(hidden, head, None if raw is None else raw.reshape(-1, raw.shape[-1]))
         if context is not None:
             logits = self.full_logits(sub, rows, lm_head.weight.shape[0])
             self._context_logits(logits, hidden, lm_head, context)

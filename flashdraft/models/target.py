@@ -272,3 +272,8 @@ class Target:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Raw embedding rows, without any model-specific scaling (what published drafts expect)."""
         return F.embedding(ids, self.embedding.weight)
+
+    @property
+    def embedding_table(self) -> torch.Tensor:
+        """The token embeddings (vocab, hidden) that `embed` looks rows up in."""
+        return self.embedding.weight

@@ -56,6 +56,11 @@ class NativeDraftLayers:
                 shapes += [lin.out_features, kernels.KINDS[lin.kind]]
         cfg = draft.config
         self.kv_heads, self.head_dim, self.dtype = cfg.num_key_value_heads, cfg.head_dim, draft.fc.dtype
+        self.norm = draft.norm.weight.detach().contiguous()  # the final norm, applied in the call
+        # the draft's fc and hidden norm, applied in the call to the raw features where it can
+        self.fc = (
+            (draft.fc, draft.hidden_norm.weight.detach().contiguous()) if self.fusable(draft.fc) else None
+        )
         self.handle = torch.ops.flashdraft.llama_new(
             tensors,
             shapes,
@@ -79,27 +84,31 @@ class NativeDraftLayers:
     def __deepcopy__(self, memo) -> NativeDraftLayers:
         return self  # read-only weights: copies share them (and the handle is freed once)
 
-    def __call__(self, x, ctx, rope_x, rope_ctx, cache, mask, norm=None, fc=None, head=None):
-        """The layers' output for block x (B, T, H) with new context ctx (B, C, H), their RoPE tables
-        (cos, sin as `flashdraft.models.ops.rope_tables` makes them, (B, T, 1, D)) and `mask` (bool,
-        broadcastable to (B, 1, T, slots)) or None, normed by `norm` (the draft's final norm's weight)
-        where given; writes the context's and the block's keys and values after the cache's committed
-        length (its length unchanged). `fc` (the draft's fc, a `BlockLinear`, and its hidden norm's
-        weight): ctx is the target's raw features (B, C, fc inputs) and both run in the same C++ call.
-        `head` (a `BlockLinear`, with `norm`): also the logits of the block's positions after its anchor
-        (B, T - 1, head outputs) from the normed output, else None. In the engine's loop every torch op
-        around the call runs after the target's weights swept the caches (a norm of 3 rows took 0.15
-        ms there, 0.02 ms warm), so what the call can do itself, it does: `rope_x` and `rope_ctx` may
-        also be ((cos, sin) of a whole `RopeTable`, positions (B, T) or (B, C)), looked up in the call."""
+    def __call__(self, x, ctx, rope_x, rope_ctx, cache, mask, raw=False, head=None, embed=None):
+        """The layers' output for block x (B, T, H), normed by the draft's final norm, with new context
+        ctx (B, C, H), their RoPE tables (cos, sin as `flashdraft.models.ops.rope_tables` makes them,
+        (B, T, 1, D)) and `mask` (bool, broadcastable to (B, 1, T, slots)) or None; writes the context's
+        and the block's keys and values after the cache's committed length (its length unchanged).
+        Returns (output, logits, picks), the last two None but with `head`.
+
+        In the engine's loop every torch op around the call runs after the target's weights swept the
+        caches (a norm of 3 rows took 0.15 ms there, 0.02 ms warm), so what the call can do itself, it
+        does. `raw`: ctx is the target's raw features (B, C, fc inputs), and the draft's fc and hidden
+        norm (`self.fc`) run in the call. `rope_x` and `rope_ctx` may be ((cos, sin) of a whole
+        `RopeTable`, positions (B, T) or (B, C)), looked up in the call. `head` (a `BlockLinear` and
+        the token ids of its outputs): also the logits of the block's positions after its anchor (B,
+        T - 1, head outputs) and each position's greedy choice (B, T - 1), the id of its first
+        maximum. `embed` (vocab, H): x is the block's token ids (B, T), looked up in the call."""
         b, t, c = x.shape[0], x.shape[1], ctx.shape[1]
         start = cache.length
         cache.reserve(b, self.kv_heads, self.head_dim, c + t, self.dtype, x.device)
         if rope_ctx is None:
-            rope_ctx = (x.new_zeros(b, 0, 1, self.head_dim),) * 2
+            rope_ctx = (ctx.new_zeros(b, 0, 1, self.head_dim),) * 2
         (cos, sin), positions = _tables(rope_x)
         (ccos, csin), cpositions = _tables(rope_ctx)
         if mask is not None:  # the kernels add it: boolean to additive
             mask = masks.additive(mask).expand(b, 1, t, start + c + t)
+        fc = self.fc if raw else None
         linear, norm_weight = fc if fc is not None else (None, None)
         out = torch.ops.flashdraft.draft_forward(
             self.handle,
@@ -114,19 +123,19 @@ class NativeDraftLayers:
             start,
             mask,
             kernels.path(),
-            norm,
+            self.norm,
             [] if fc is None else [linear.packed, linear.scales, norm_weight],
-            [] if head is None else [head.packed, head.scales],
+            [] if head is None else [head[0].packed, head[0].scales, head[1]],
             [
                 kernels.KINDS[linear.kind] if fc is not None else 0,
-                head.out_features if head is not None else 0,
-                kernels.KINDS[head.kind] if head is not None else 0,
+                head[0].out_features if head is not None else 0,
+                kernels.KINDS[head[0].kind] if head is not None else 0,
             ],
-            None,
+            embed,
             positions,
             cpositions,
         )
-        return out[0], (out[1] if head is not None else None)
+        return out[0], *((out[1], out[2]) if head is not None else (None, None))
 
 
 def _tables(rope):

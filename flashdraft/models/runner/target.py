@@ -108,6 +108,11 @@ class RunnerTarget:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.runner.embed)
 
+    @property
+    def embedding_table(self) -> torch.Tensor:
+        """The token embeddings (vocab, hidden) that `embed` looks rows up in."""
+        return self.runner.embed
+
     def attention_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
         """Masks for slots that are not in position order (see `Target.attention_mask`)."""
         return self.runner.attention_mask(q_pos, k_pos)

@@ -37,6 +37,9 @@ int64_t best_path();
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n, int64_t kind,
                  int64_t path);
 
+// x (..., n) bf16 -> each row's first maximum (...), int64 (argmax.cpp).
+at::Tensor argmax_rows(const at::Tensor& x, int64_t path);
+
 // Block i (row i / a.blocks) of x (a.rows, k) into `a`: any thread, any order.
 void quantize_act(const c10::BFloat16* x, int64_t k, int64_t i, int64_t path, Acts& a);
 

@@ -834,7 +834,9 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, c
 // `fc` (packed, scales, the hidden norm's weight; `kinds` [0] its kind): ctx is the target's raw features
 // (b, c, fc inputs), and the draft's fc and hidden norm run here (torch's were 0.15-0.2 ms of a draft
 // call in the engine's loop, where every op runs with caches the target's weights have just swept).
-// `head` (packed, scales; `kinds` [1], [2] its outputs and kind): the draft vocabulary's head rows.
+// `head` (packed, scales; `kinds` [1], [2] its outputs and kind): the draft vocabulary's head rows;
+// with a third tensor, their token ids (int64 (outputs)): also each position's greedy choice (b, t - 1),
+// the id of its logits' first maximum.
 // `embed`, `positions` as `llama_forward`'s (the block's ids and positions), `cpositions` the context's.
 std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, const at::Tensor& ctx,
                                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ccos,
@@ -850,8 +852,11 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, c
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "draft_forward: x must be bf16 (b, t, hidden)");
   const bool normed = final_norm(norm, x.size(2), "draft_forward");
   const int64_t b = x.size(0), t = x.size(1), c = ctx.size(1), hidden = x.size(2), rows = b * t, n = m.layers.size();
-  TORCH_CHECK((fc.empty() || fc.size() == 3) && (head.empty() || head.size() == 2) && kinds.size() == 3,
-              "draft_forward: fc is (packed, scales, norm), head (packed, scales), kinds 3 ints");
+  TORCH_CHECK((fc.empty() || fc.size() == 3) && (head.empty() || head.size() == 2 || head.size() == 3) &&
+                  kinds.size() == 3,
+              "draft_forward: fc is (packed, scales, norm), head (packed, scales[, ids]), kinds 3 ints");
+  TORCH_CHECK(head.size() < 3 || (head[2].scalar_type() == at::kLong && head[2].numel() == kinds[1]),
+              "draft_forward: the head's ids must be int64, one per output");
   TORCH_CHECK(head.empty() || (normed && t > 1), "draft_forward: a head needs the final norm and a block past its anchor");
   const Linear fcl{fc.empty() ? at::Tensor() : fc[0], fc.empty() ? at::Tensor() : fc[1], at::Tensor(), hidden, kinds[0]};
   const Linear hl{head.empty() ? at::Tensor() : head[0], head.empty() ? at::Tensor() : head[1], at::Tensor(), kinds[1],
@@ -947,6 +952,7 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, c
   }
   std::vector<at::Tensor> out{(normed ? hx : h).view(x.sizes())};
   if (!head.empty()) out.push_back(logits);
+  if (head.size() == 3) out.push_back(head[2].index_select(0, argmax_rows(logits, path).view(-1)).view({b, t - 1}));
   return out;
 }
 
