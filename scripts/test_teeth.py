@@ -22,6 +22,20 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "a step's features kept whole for every row when split into the rows' unread context",
+        "flashdraft/engine/proposers.py",
+        "ctx.chunks.append(row if k == width else row[:k])",
+        "ctx.chunks.append(row)",
+        "tests/test_batch.py::test_greedy_batch_equals_single_row",
+    ),
+    (
+        "the unread steps split into the rows after a row left, not before",
+        "flashdraft/engine/proposers.py",
+        "        self._split()\n        self.pending = [self.pending[i] for i in index]",
+        "        self.pending = [self.pending[i] for i in index]\n        self._split()",
+        "tests/test_batch.py::test_greedy_batch_equals_single_row",
+    ),
+    (
         "the C++ draft call's greedy picks are head rows, not their token ids",
         "flashdraft/models/runner/kernels/layers.cpp",
         "out.push_back(head[2].index_select(0, argmax_rows(logits, path).view(-1)).view({b, t - 1}));",

@@ -110,6 +110,7 @@ def check_caches(dec: Engine) -> None:
         assert live == list(range(row.anchor)), (row.request_id, live, row.anchor)
     prop = dec.proposer
     if isinstance(prop, DFlashProposer):
+        prop._split()  # the steps' features accepted whole, into their rows' chunks
         kpos = prop.slots.positions()
         assert kpos.shape[0] == len(prop.pending) == len(dec.rows)
         for b, row in enumerate(dec.rows):

@@ -221,6 +221,9 @@ class DFlashProposer(Proposer):
         self.cache = self.draft.new_cache()
         self.slots = Slots(device=self.target.device)  # the positions the context cache's slots hold
         self.pending: list[Context] = []  # per row: the context the draft has not read yet
+        self.unread: list[
+            tuple[torch.Tensor, list[int]]
+        ] = []  # steps' features not in `pending` yet (`accept`)
         self.aligned = True  # also the pending context: every row's starts at the same position, same length
 
     def _contexts(self, rows) -> list[torch.Tensor]:
@@ -237,6 +240,7 @@ class DFlashProposer(Proposer):
         return [torch.tensor(sorted(kept[r.request_id][1]), dtype=torch.long) for r in rows]
 
     def join(self, rows, features):
+        self._split()
         if not self.pending:  # an empty batch starts over, aligned
             self.reset()
             self.aligned = len({f.shape[0] for f in features}) == 1
@@ -261,14 +265,26 @@ class DFlashProposer(Proposer):
         idx = torch.tensor(index, dtype=torch.long, device=self.target.device)
         self.cache.map(lambda t: t[idx])
         self.slots.keep(idx)
+        self._split()
         self.pending = [self.pending[i] for i in index]
 
     def accept(self, features, n):
+        """The step's features wait whole until a draft call (or a change of rows) needs them by row: a
+        batch where drafting does not pay steps plain for many steps between calls, and a view per row
+        and step cost torch ops every step (in the loop each runs with cold caches)."""
         if len(set(n)) > 1:
             self.aligned = False
-        width = features.shape[1]  # a row that kept its whole block keeps its view as it is
-        for ctx, row, k in zip(self.pending, features.unbind(0), n, strict=True):
-            ctx.add(row if k == width else row[:k])
+        self.unread.append((features, n))
+        for ctx, k in zip(self.pending, n, strict=True):
+            ctx.length += k
+
+    def _split(self) -> None:
+        """The unread steps' features into their rows' chunks (their lengths already counted)."""
+        for features, n in self.unread:
+            width = features.shape[1]  # a row that kept its whole block keeps its view as it is
+            for ctx, row, k in zip(self.pending, features.unbind(0), n, strict=True):
+                ctx.chunks.append(row if k == width else row[:k])
+        self.unread = []
 
     @property
     def last_logits(self) -> torch.Tensor | None:
@@ -303,6 +319,7 @@ class DFlashProposer(Proposer):
             self.cache.length = self.slots.length
             self.compactions += 1
         # New context, padded to the longest row; its positions continue where each row's cache ends.
+        self._split()
         feats = [c.features() for c in self.pending]
         lens = [f.shape[0] for f in feats]
         c_len = max(lens)
