@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "a native draft call's RoPE table grown to its block's positions only",
+        "flashdraft/models/draft.py",
+        "if native and table.covers(block_positions) and (not has_ctx or table.covers(ctx_positions)):",
+        "if native and table.covers(block_positions):",
+        "tests/test_runner.py::test_a_native_draft_call_looks_up_every_position_it_is_given",
+    ),
+    (
         "a step's features kept whole for every row when split into the rows' unread context",
         "flashdraft/engine/proposers.py",
         "ctx.chunks.append(row if k == width else row[:k])",

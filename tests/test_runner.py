@@ -514,6 +514,23 @@ def test_the_native_draft_layers_agree_with_the_torch_layers():
 
 
 @pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@torch.inference_mode()
+def test_a_native_draft_call_looks_up_every_position_it_is_given():
+    """The C++ draft call looks RoPE rows up in the draft's table, grown to cover the call's positions:
+    the context's too, which in a batch are padded to the longest row's and may pass a row's block
+    (bench_batch at batch 16 once asked for row 256 of a table of 256)."""
+    run = quantized("llama", "q8_0")
+    draft = DFlashProposer(make_draft(run.reference.model, dtype=torch.bfloat16), run).draft
+    g = torch.Generator().manual_seed(3)
+    embeds = torch.randn(2, 4, 64, generator=g).bfloat16()
+    ctx = torch.randn(2, 3, draft.fc.in_features, generator=g).bfloat16()
+    block_pos = torch.tensor([[120, 121, 122, 123], [124, 125, 126, 127]])
+    ctx_pos = torch.tensor([[117, 118, 119], [126, 127, 128]])  # the second row's last slot: padding
+    draft(embeds, block_pos, ctx, ctx_pos, cache=draft.new_cache())
+    assert draft.rope_table(torch.bfloat16).cos.shape[0] > 128
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
 @pytest.mark.parametrize("kind", OURS)
 @torch.inference_mode()
 def test_layers_side_by_side_give_their_outputs_and_hold_their_weights_once(kind):

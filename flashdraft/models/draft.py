@@ -505,7 +505,8 @@ class DFlashDraft(nn.Module):
         else:
             ctx = self.hidden_norm(self.fc(ctx_features.to(dtype)))
         table = self.rope_table(dtype)
-        if native and table.covers(block_positions):  # the context's positions come before the block's
+        # (a batch's context is padded to its longest row's: a row's padding may pass its block's positions)
+        if native and table.covers(block_positions) and (not has_ctx or table.covers(ctx_positions)):
             whole = table.cos, table.sin  # the C++ call looks the positions' rows up itself
             rope_x, rope_ctx = (whole, block_positions), (whole, ctx_positions) if has_ctx else None
         else:
