@@ -22,10 +22,24 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "a target forward whose RoPE table lacks a position is not called again",
+        "flashdraft/models/runner/llama.py",
+        "            if not out:  # a position past the table",
+        "            if False:  # a position past the table",
+        "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "the head in the C++ layers' call reads each row's first tokens, not its last",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "row = r / keep * t + t - keep + r % keep;",
+        "row = r / keep * t + r % keep;",
+        "tests/test_runner.py::test_the_head_in_the_layers_call_gives_the_heads_own_bits",
+    ),
+    (
         "a native draft call's RoPE table grown to its block's positions only",
         "flashdraft/models/draft.py",
-        "if native and table.covers(block_positions) and (not has_ctx or table.covers(ctx_positions)):",
-        "if native and table.covers(block_positions):",
+        "                if table.covers(block_positions) and (not has_ctx or table.covers(ctx_positions)):",
+        "                if table.covers(block_positions):",
         "tests/test_runner.py::test_a_native_draft_call_looks_up_every_position_it_is_given",
     ),
     (
@@ -1434,15 +1448,15 @@ BUGS = [
     (
         "proposers: embeddings scaled only while the rows are aligned",
         "flashdraft/engine/proposers.py",
-        "        if self.embed_scale != 1.0:\n            embeds = embeds * self.embed_scale\n        aligned = self.aligned and len(set(ks)) == 1  # one set of positions for all rows, no mask\n",
-        "        aligned = self.aligned and len(set(ks)) == 1  # one set of positions for all rows, no mask\n        if aligned:\n            embeds = embeds * self.embed_scale\n",
+        "            if self.embed_scale != 1.0:\n                embeds = embeds * self.embed_scale\n        aligned = self.aligned and len(set(ks)) == 1  # one set of positions for all rows, no mask\n",
+        "            pass\n        aligned = self.aligned and len(set(ks)) == 1  # one set of positions for all rows, no mask\n        if aligned:\n            embeds = embeds * self.embed_scale\n",
         "tests/test_batch.py::test_draft_options_batched_equal_single_row",
     ),
     (
         "draft: the draft-vocabulary LM head drops the logit multiplier and softcap",
         "flashdraft/models/draft.py",
-        "        sub = self.logits(hidden, head)\n",
-        "        sub = head(hidden)\n",
+        "        sub = self.logits(hidden, head, None if raw is None else raw.reshape(-1, raw.shape[-1]))\n",
+        "        sub = head(hidden) if raw is None else raw.reshape(-1, raw.shape[-1])\n",
         "tests/test_train.py::test_training_forward_matches_proposer_and_padding_changes_nothing",
     ),
     (

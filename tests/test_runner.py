@@ -514,6 +514,27 @@ def test_the_native_draft_layers_agree_with_the_torch_layers():
 
 
 @pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@pytest.mark.parametrize("kind", OURS)
+@torch.inference_mode()
+def test_the_head_in_the_layers_call_gives_the_heads_own_bits(kind):
+    """`forward_head` applies the LM head inside the C++ layers' call (a plain step's head as a torch op
+    of its own ran with cold caches): its logits of every token, and of each row's last one (a prefill),
+    are the head applied to the call's hidden states, bit for bit, at batch 1 and 3."""
+    run = smol_shaped("qwen3", Quantization(kind, kind))
+    runner = run.runner
+    assert runner.fused_head and runner.ragged
+    g = torch.Generator().manual_seed(4)
+    for b, t in ((1, 1), (1, 5), (3, 4)):
+        for keep in (t, 1):
+            cache = run.new_cache()
+            start = cache.reserve(b, t)
+            ids = torch.randint(0, 256, (b, t), generator=g)
+            pos = torch.arange(t).expand(b, -1)
+            x, _, logits = runner.forward_head(ids, pos, cache, start, None, [], None, keep)
+            assert torch.equal(logits, runner.head(x[:, t - keep :].contiguous())), (b, t, keep)
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
 @torch.inference_mode()
 def test_a_native_draft_call_looks_up_every_position_it_is_given():
     """The C++ draft call looks RoPE rows up in the draft's table, grown to cover the call's positions:

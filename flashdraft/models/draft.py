@@ -505,9 +505,8 @@ class DFlashDraft(nn.Module):
         else:
             ctx = self.hidden_norm(self.fc(ctx_features.to(dtype)))
         table = self.rope_table(dtype)
-        # (a batch's context is padded to its longest row's: a row's padding may pass its block's positions)
-        if native and table.covers(block_positions) and (not has_ctx or table.covers(ctx_positions)):
-            whole = table.cos, table.sin  # the C++ call looks the positions' rows up itself
+        if native:  # the C++ call looks the positions' rows up in the whole table itself
+            whole = table.cos, table.sin
             rope_x, rope_ctx = (whole, block_positions), (whole, ctx_positions) if has_ctx else None
         else:
             rope_x = self.rope(block_positions, dtype)
@@ -519,7 +518,17 @@ class DFlashDraft(nn.Module):
         x, logits, picks = block_embeds, None, None
         if native:
             fused = head if head is not None and self.native.fusable(head[0]) and x.shape[1] > 1 else None
-            x, logits, picks = self.native(x, ctx, rope_x, rope_ctx, cache, mask, raw, fused, embed)
+            out = self.native(x, ctx, rope_x, rope_ctx, cache, mask, raw, fused, embed)
+            if out is None:  # a position past the table (nothing written): grown to it, or made here
+                # (a batch's context is padded to its longest row's: its padding may pass a row's block)
+                if table.covers(block_positions) and (not has_ctx or table.covers(ctx_positions)):
+                    whole = table.cos, table.sin
+                    rope_x, rope_ctx = (whole, block_positions), (whole, ctx_positions) if has_ctx else None
+                else:
+                    rope_x = self.rope(block_positions, dtype)
+                    rope_ctx = self.rope(ctx_positions, dtype) if has_ctx else None
+                out = self.native(x, ctx, rope_x, rope_ctx, cache, mask, raw, fused, embed)
+            x, logits, picks = out
         else:
             for layer in self.layers:
                 x = layer(x, ctx, rope_x, rope_ctx, cache, mask, blocks)

@@ -89,7 +89,8 @@ class NativeDraftLayers:
         ctx (B, C, H), their RoPE tables (cos, sin as `flashdraft.models.ops.rope_tables` makes them,
         (B, T, 1, D)) and `mask` (bool, broadcastable to (B, 1, T, slots)) or None; writes the context's
         and the block's keys and values after the cache's committed length (its length unchanged).
-        Returns (output, logits, picks), the last two None but with `head`.
+        Returns (output, logits, picks), the last two None but with `head`; None, having written
+        nothing, where a position is past a whole table's rows (the caller grows it and calls again).
 
         In the engine's loop every torch op around the call runs after the target's weights swept the
         caches (a norm of 3 rows took 0.15 ms there, 0.02 ms warm), so what the call can do itself, it
@@ -135,6 +136,8 @@ class NativeDraftLayers:
             positions,
             cpositions,
         )
+        if not out:
+            return None
         return out[0], *((out[1], out[2]) if head is not None else (None, None))
 
 

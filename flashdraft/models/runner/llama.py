@@ -141,6 +141,10 @@ class Runner(nn.Module):
         self.rope_scale = float(rotary.attention_scaling)
         self.ropes: dict[torch.dtype, RopeTable] = {}
         self.handle, self.fused = self.native_layers(dtype), True
+        # the head in the layers' C++ call (`forward_head`): on our kernels, bf16
+        self.fused_head = isinstance(self.head, BlockLinear) and self.head.dtype == torch.bfloat16
+        bias = getattr(self.head, "bias", None)
+        self._head_bias = torch.empty(0, dtype=dtype) if bias is None else bias.data.contiguous()
 
     def native_layers(self, dtype: torch.dtype) -> int | None:
         """The layers as one C++ call (kernels/layers.cpp), where it computes them: bf16 activations and
@@ -208,16 +212,29 @@ class Runner(nn.Module):
         """The final-normed hidden states (B, T, H) and the `features` (`concat_features`), or None.
         `lengths` (B): only row b's first lengths[b] tokens are needed (where `ragged`, only they are
         computed)."""
+        return self.forward_head(ids, positions, cache, start, mask, features, lengths)[:2]
+
+    def forward_head(self, ids, positions, cache, start, mask, features, lengths=None, keep: int = 0):
+        """`forward`'s outputs and, with `keep` > 0, the logits of each row's last `keep` tokens (B, keep,
+        V) where the C++ call applies the head itself (on our kernels, no `lengths`), else None: the
+        caller applies `head`. (A plain step's head as its own torch op ran with the caches the layers
+        had just swept.)"""
         if self.ragged:  # the final norm and the features' concatenation too (the layers' eps: the config's)
             # and the lookups of the embeddings and RoPE rows (in `llama_forward`, from the whole tables)
             table = self.table(self.embed.dtype)
-            whole = table.covers(positions)
-            cos, sin = (table.cos, table.sin) if whole else table(positions)
             args = (cache.k, cache.v, start, mask, lengths, list(features), kernels.path(), self.norm)
-            out = torch.ops.flashdraft.llama_forward(
-                self.handle, ids, cos, sin, *args, self.embed, positions if whole else None
+            head = self.head if keep and lengths is None and self.fused_head else None
+            tail = (
+                [] if head is None else [head.packed, head.scales, self._head_bias],
+                [] if head is None else [head.out_features, kernels.KINDS[head.kind], keep],
             )
-            return out[0], out[1] if features else None
+            call = torch.ops.flashdraft.llama_forward
+            out = call(self.handle, ids, table.cos, table.sin, *args, self.embed, positions, *tail)
+            if not out:  # a position past the table (nothing written): grown to it, or, below 0, made here
+                whole = table.covers(positions)
+                cos, sin = (table.cos, table.sin) if whole else table(positions)
+                out = call(self.handle, ids, cos, sin, *args, self.embed, positions if whole else None, *tail)
+            return out[0], out[1] if features else None, out[-1] if head is not None else None
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions, x.dtype)
         caught = {}
@@ -225,7 +242,9 @@ class Runner(nn.Module):
             x = layer(x, cos, sin, cache, i, start, mask)
             if i in features:
                 caught[i] = x
-        return concat_features(caught, rms_norm(x, self.norm, self.eps), features, len(self.layers) - 1)
+        return *concat_features(
+            caught, rms_norm(x, self.norm, self.eps), features, len(self.layers) - 1
+        ), None
 
 
 def concat_features(

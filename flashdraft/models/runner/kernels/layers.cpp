@@ -660,7 +660,8 @@ const Model& model(int64_t handle) {
 // The forward's lookups (token embeddings, RoPE tables) done here, not as torch ops before the call: in
 // the engine's loop each torch op runs after the weights swept the caches (the embedding and the two
 // tables' lookups took 0.14 ms of a plain step there, 0.03 ms warm).
-at::Tensor rows_of(const at::Tensor& table, const at::Tensor& index, const char* who) {
+// An index outside the table: an error, or, where not `strict`, an undefined tensor.
+at::Tensor rows_of(const at::Tensor& table, const at::Tensor& index, const char* who, bool strict = true) {
   TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && index.scalar_type() == at::kLong, who,
               ": a lookup needs a contiguous (n, width) table and int64 indices");
   const at::Tensor idx = index.contiguous();
@@ -670,6 +671,7 @@ at::Tensor rows_of(const at::Tensor& table, const at::Tensor& index, const char*
   const char* from = static_cast<const char*>(table.data_ptr());
   char* to = static_cast<char*>(out.data_ptr());
   for (int64_t i = 0; i < n; ++i) {
+    if (!strict && (ix[i] < 0 || ix[i] >= table.size(0))) return at::Tensor();
     TORCH_CHECK(ix[i] >= 0 && ix[i] < table.size(0), who, ": index ", ix[i], " is outside the table's ", table.size(0),
                 " rows");
     std::memcpy(to + i * bytes, from + ix[i] * bytes, bytes);
@@ -686,9 +688,11 @@ at::Tensor inputs(const at::Tensor& x, const c10::optional<at::Tensor>& embed, c
 }
 
 // RoPE rows: `table` as given ((b, t, 1, head_dim) or (b, t, head_dim)), or, with `positions` (b, t), the
-// rows of a whole table (n, head_dim) at those positions.
+// rows of a whole table (n, head_dim) at those positions; undefined where a position is not in the table
+// (the forward then returns nothing, having written nothing: the caller grows its table and calls again,
+// which spares every call the torch ops that would find the positions' range first).
 at::Tensor rope_rows(const at::Tensor& table, const c10::optional<at::Tensor>& positions, const char* who) {
-  return positions && positions->defined() ? rows_of(table, *positions, who) : table.contiguous();
+  return positions && positions->defined() ? rows_of(table, *positions, who, false) : table.contiguous();
 }
 
 }  // namespace
@@ -733,14 +737,18 @@ void llama_free(int64_t handle) {
 // concatenation here rather than in torch: torch.rms_norm on one row took 0.1 ms, 2% of a step, and
 // the features of a prompt were copied twice.) With `embed` (vocab, hidden), x is token ids (b, t) and
 // the layers run over their embeddings; with `positions` (b, t), cos and sin are whole tables (n,
-// head_dim) and each token takes the row of its position (`rows_of`).
+// head_dim) and each token takes the row of its position (`rows_of`). With `head` (packed, scales,
+// bias or empty; `head_shape` its outputs, kind and how many of each row's last tokens), not ragged and
+// with `norm`: last, the logits of those tokens (b, keep, outputs) from the normed output, the bits the
+// same head gives on `qgemm` (one torch op fewer a step, and no thread team started for it alone).
 std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, const at::Tensor& cos,
                                       const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                                       const std::vector<at::Tensor>& values, int64_t start,
                                       const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& lengths,
                                       const std::vector<int64_t>& wanted, int64_t path,
                                       const c10::optional<at::Tensor>& norm, const c10::optional<at::Tensor>& embed,
-                                      const c10::optional<at::Tensor>& positions) {
+                                      const c10::optional<at::Tensor>& positions, const std::vector<at::Tensor>& head,
+                                      const std::vector<int64_t>& head_shape) {
   const Model& m = model(handle);
   const at::Tensor x = inputs(input, embed, "llama_forward");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "llama_forward: x must be bf16 (b, t, hidden)");
@@ -763,9 +771,20 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, c
   }
   const bool ragged = !slot.empty();
   const at::Tensor index = ragged ? at::tensor(slot, at::kLong) : at::Tensor();
+  TORCH_CHECK(head.empty() || (head.size() == 3 && head_shape.size() == 3 && !ragged && normed &&
+                               head_shape[2] >= 1 && head_shape[2] <= t && head[0].dim() == 3 &&
+                               head[0].size(0) * 16 >= head_shape[0] && head[0].size(1) * 32 >= x.size(2) &&
+                               head[0].size(2) == (head_shape[1] == Q8_0 ? 512 : 256)),
+              "llama_forward: a head is (packed, scales, bias), its shape (outputs, kind, keep <= t), with the "
+              "final norm and no lengths");
+  const Linear hl{head.empty() ? at::Tensor() : head[0], head.empty() ? at::Tensor() : head[1],
+                  head.empty() ? at::Tensor() : head[2], head.empty() ? 0 : head_shape[0],
+                  head.empty() ? 0 : head_shape[1]};
+  const int64_t keep = head.empty() ? 0 : head_shape[2];
   at::Tensor h = x.reshape({b * t, x.size(2)});
   h = ragged ? h.index_select(0, index) : h.clone();
   const at::Tensor c = rope_rows(cos, positions, "llama_forward"), s = rope_rows(sin, positions, "llama_forward");
+  if (!c.defined() || !s.defined()) return {};  // a position past the table (see `rope_rows`)
   TORCH_CHECK(c.numel() == b * t * m.head_dim && s.numel() == c.numel(), "llama_forward: RoPE tables of (b, t, head_dim)");
   at::Tensor mk;
   if (mask && mask->defined()) {
@@ -805,6 +824,9 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, c
   }
   std::vector<Cache> caches;
   for (int64_t i = 0; i < n; ++i) caches.push_back({keys[i].data_ptr<bf16>(), values[i].data_ptr<bf16>()});
+  Acts ha;  // the rows the head reads, quantized
+  if (keep) ha.resize(b * keep, hidden);
+  const at::Tensor logits = keep ? at::empty({b, keep, hl.n}, x.options()) : at::Tensor();
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     Scratch scratch;
@@ -817,9 +839,18 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, c
                       last ? nullptr : &w.hidden, last ? final_copy : nullptr, stride};
       layer_team(m, m.layers[i], w, caches[i], hidden, next, scratch);
     }
+    if (keep) {  // the head over each row's last `keep` normed tokens
+#pragma omp for
+      for (int64_t i = 0; i < b * keep * ha.blocks; ++i) {
+        const int64_t r = i / ha.blocks, row = r / keep * t + t - keep + r % keep;
+        quantize_act(hx.data_ptr<bf16>() + (row - r) * hidden, hidden, i, path, ha);
+      }
+      team_gemm(ha, hl, logits.data_ptr<bf16>(), path);
+    }
   }
   const at::Tensor& y = normed ? hx : h;
   out[0] = ragged ? at::zeros_like(x).view({b * t, hidden}).index_copy_(0, index, y).view(x.sizes()) : y.view(x.sizes());
+  if (keep) out.push_back(logits);
   return out;
 }
 
@@ -901,6 +932,7 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, c
                    down = buffer(rows, hidden);
   const at::Tensor c1 = rope_rows(cos, positions, "draft_forward"), s1 = rope_rows(sin, positions, "draft_forward"),
                    c2 = rope_rows(ccos, cpositions, "draft_forward"), s2 = rope_rows(csin, cpositions, "draft_forward");
+  if (!c1.defined() || !s1.defined() || !c2.defined() || !s2.defined()) return {};  // see `rope_rows`
   TORCH_CHECK(c1.numel() == rows * m.head_dim && s1.numel() == c1.numel() && c2.numel() == b * c * m.head_dim &&
                   s2.numel() == c2.numel(),
               "draft_forward: RoPE tables of (b, t, head_dim) and (b, c, head_dim)");
@@ -961,8 +993,8 @@ TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
         &llama_new);
   m.def("llama_free(int handle) -> ()", &llama_free);
   m.def("llama_forward(int handle, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int start, "
-        "Tensor? mask, Tensor? lengths, int[] wanted, int path, Tensor? norm=None, Tensor? embed=None, "
-        "Tensor? positions=None) -> Tensor[]",
+        "Tensor? mask, Tensor? lengths, int[] wanted, int path, Tensor? norm, Tensor? embed, "
+        "Tensor? positions, Tensor[] head, int[] head_shape) -> Tensor[]",
         &llama_forward);
   m.def("draft_forward(int handle, Tensor x, Tensor ctx, Tensor cos, Tensor sin, Tensor ccos, Tensor csin, "
         "Tensor[] keys, Tensor[] values, int start, Tensor? mask, int path, Tensor? norm, Tensor[] fc, "
