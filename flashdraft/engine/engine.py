@@ -149,7 +149,7 @@ class Engine:
             if ks[b]:
                 drafts[b, : ks[b]] = p[0].to(device)
         t1 = time.perf_counter()
-        drafts_l = drafts.tolist()
+        drafts_l = drafts.tolist() if k_max else [[] for _ in rows]
         if any(t is not None for t in trees):  # every row a tree (a chain is one)
             trees = [t or tree.Tree.chain(drafts_l[b][: ks[b]]) for b, t in enumerate(trees)]
         else:

@@ -217,12 +217,13 @@ class TargetBatch:
 
     def verify(self, block, anchors, ks, trees=None):
         device, (n_rows, width) = self.target.device, block.shape
-        steps = torch.arange(width, device=device)
         if self.slots.aligned and len(set(ks)) == 1 and trees is None:
             # aligned: every row's block sits at the same positions, right after the cache
-            q_pos = (steps + self.slots.length).expand(n_rows, -1)
+            length = self.slots.length
+            q_pos = torch.arange(length, length + width, device=device).expand(n_rows, -1)
             self._block_pos, mask = q_pos, None
         else:
+            steps = torch.arange(width, device=device)
             at = torch.tensor(anchors, device=device)[:, None]
             if trees is None:
                 q_pos = at + steps
