@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "the C++ slot reorder moves every row's slots by the first row's path",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "std::memcpy(tmp.data() + j * row, slots + ix[r * n + j] * row, row);",
+        "std::memcpy(tmp.data() + j * row, slots + ix[j] * row, row);",
+        "tests/test_runner.py::test_the_cache_moves_a_trees_accepted_slots_as_the_torch_gather_does",
+    ),
+    (
         "a target forward whose RoPE table lacks a position is not called again",
         "flashdraft/models/runner/llama.py",
         "            if not out:  # a position past the table",

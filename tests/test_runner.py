@@ -535,6 +535,31 @@ def test_the_head_in_the_layers_call_gives_the_heads_own_bits(kind):
 
 
 @pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+def test_the_cache_moves_a_trees_accepted_slots_as_the_torch_gather_does():
+    """`KVCache.reorder` (one C++ call, `reorder_slots`) gives every layer's keys and values the bytes
+    `_reorder_block` (a gather and a copy per layer and tensor) gives them, paths of any order and
+    length per row, and leaves the slots before `start` alone."""
+    import copy
+
+    from flashdraft.models.batch import _reorder_block
+    from flashdraft.models.runner.cache import KVCache
+
+    g = torch.Generator().manual_seed(5)
+    cache = KVCache(3, 2, 8, torch.bfloat16, "cpu")
+    cache.reserve(3, 12)
+    for buf in (cache.k, cache.v):
+        for t in buf:
+            t.copy_(torch.randn(t.shape, generator=g).bfloat16())
+    cache.length = 12
+    order = torch.tensor([[0, 3, 1, 1], [0, 1, 2, 3], [0, 4, 4, 4]])  # relative to start
+    want = copy.deepcopy(cache)
+    _reorder_block(want, 7, order)
+    assert cache.reorder(7, order)
+    for a, b in zip(cache.k + cache.v, want.k + want.v, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
 @torch.inference_mode()
 def test_a_native_draft_call_looks_up_every_position_it_is_given():
     """The C++ draft call looks RoPE rows up in the draft's table, grown to cover the call's positions:

@@ -133,6 +133,10 @@ def path_order(paths: list[list[int]], device=None) -> torch.Tensor | None:
     return torch.tensor([o + o[-1:] * (width - len(o)) for o in order], dtype=torch.long, device=device)
 
 
+def _no(*args) -> bool:
+    return False
+
+
 def _reorder_block(cache, start: int, order: torch.Tensor) -> None:
     """In place, every row's slots start.. of a target cache take the slots start + order (B, L)."""
     for layer in cache.layers:
@@ -246,7 +250,7 @@ class TargetBatch:
 
     def commit(self, n, paths=None, feats=None):
         order = None if paths is None else path_order(paths, self.target.device)
-        if order is not None:
+        if order is not None and not getattr(self.cache, "reorder", _no)(self.slots.length, order):
             _reorder_block(self.cache, self.slots.length, order)
             if feats is not None:
                 feats = feats.gather(1, order[:, :, None].expand(-1, -1, feats.shape[2]))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from flashdraft.models.runner import kernels
+
 CHUNK = 256  # the smallest capacity, in slots
 
 
@@ -96,6 +98,15 @@ class KVCache:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def reorder(self, start: int, order: torch.Tensor) -> bool:
+        """Row r's slots start.. take its slots start + order[r] (B, L), in every layer (a tree's accepted
+        path moved to the front of its block), in one C++ call (`reorder_slots`) where our kernels are
+        built; False where they are not, and the caller moves them (a gather per layer and tensor)."""
+        if self.k[0] is None or not kernels.available():
+            return False
+        torch.ops.flashdraft.reorder_slots(self.k, self.v, start, order)
+        return True
 
     # -- the DynamicCache-like view the engine edits ---------------------------------------------
 

@@ -988,10 +988,40 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, c
   return out;
 }
 
+// After a tree verify: in every layer's keys and values (b, kv_heads, capacity, head_dim), row r's slots
+// start.. take its slots start + order[r][j] (b, n), in place: the accepted path moved to the block's
+// front. One call for all layers; as torch ops it was a gather and a copy per layer and tensor (about 360
+// ops a step, each with the caches the weights had swept). The same bytes as `_reorder_block`.
+void reorder_slots(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t start,
+                   const at::Tensor& order) {
+  TORCH_CHECK(order.scalar_type() == at::kLong && order.dim() == 2, "reorder_slots: order must be int64 (b, n)");
+  const at::Tensor o = order.contiguous();
+  const int64_t b = o.size(0), n = o.size(1);
+  const int64_t* ix = o.data_ptr<int64_t>();
+  std::vector<char> tmp;
+  for (const auto* list : {&keys, &values})
+    for (const at::Tensor& t : *list) {
+      TORCH_CHECK(t.dim() == 4 && t.is_contiguous() && t.size(0) == b, "reorder_slots: a cache buffer must be "
+                  "contiguous (b, kv_heads, capacity, head_dim)");
+      const int64_t heads = t.size(1), cap = t.size(2), row = t.size(3) * t.element_size();
+      for (int64_t i = 0; i < b * n; ++i)
+        TORCH_CHECK(ix[i] >= 0 && start + ix[i] < cap && start + n <= cap, "reorder_slots: a slot past the buffer");
+      tmp.resize(n * row);
+      char* base = static_cast<char*>(t.data_ptr());
+      for (int64_t r = 0; r < b; ++r)
+        for (int64_t h = 0; h < heads; ++h) {
+          char* slots = base + ((r * heads + h) * cap + start) * row;
+          for (int64_t j = 0; j < n; ++j) std::memcpy(tmp.data() + j * row, slots + ix[r * n + j] * row, row);
+          std::memcpy(slots, tmp.data(), n * row);
+        }
+    }
+}
+
 TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
   m.def("llama_new(Tensor[] tensors, int[] shapes, int heads, int kv_heads, int head_dim, float eps, float scale) -> int",
         &llama_new);
   m.def("llama_free(int handle) -> ()", &llama_free);
+  m.def("reorder_slots(Tensor[] keys, Tensor[] values, int start, Tensor order) -> ()", &reorder_slots);
   m.def("llama_forward(int handle, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int start, "
         "Tensor? mask, Tensor? lengths, int[] wanted, int path, Tensor? norm, Tensor? embed, "
         "Tensor? positions, Tensor[] head, int[] head_shape) -> Tensor[]",
