@@ -140,17 +140,15 @@ class Context:
 
     start: int
     chunks: list[torch.Tensor] = field(default_factory=list)
-    length: int = 0  # tokens in the chunks, kept as they come (a draft call is priced by it every step)
+    # its tokens, the chunks' and those still in `DFlashProposer.unread` (a draft call is priced by it
+    # every step)
+    length: int = 0
 
     def __post_init__(self):
         self.length = sum(c.shape[0] for c in self.chunks)
 
     def __len__(self) -> int:
         return self.length
-
-    def add(self, chunk: torch.Tensor) -> None:
-        self.chunks.append(chunk)
-        self.length += chunk.shape[0]
 
     def features(self) -> torch.Tensor:
         return self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
@@ -221,9 +219,8 @@ class DFlashProposer(Proposer):
         self.cache = self.draft.new_cache()
         self.slots = Slots(device=self.target.device)  # the positions the context cache's slots hold
         self.pending: list[Context] = []  # per row: the context the draft has not read yet
-        self.unread: list[
-            tuple[torch.Tensor, list[int]]
-        ] = []  # steps' features not in `pending` yet (`accept`)
+        # steps' features not split into `pending` yet (`accept`), with each row's accepted count
+        self.unread: list[tuple[torch.Tensor, list[int]]] = []
         self.aligned = True  # also the pending context: every row's starts at the same position, same length
 
     def _contexts(self, rows) -> list[torch.Tensor]:
@@ -379,9 +376,9 @@ class DFlashProposer(Proposer):
         logits = self._logits
         self._marginals = None
         sub, ids = self.draft.last_vocab_logits or (logits, None)  # the draft vocabulary's columns alone
-        if picks is None and not self.tree:
-            picks = argmax(sub) if ids is None else ids[argmax(sub)]
-        greedy = picks
+        greedy = picks  # made in the draft's C++ call, else here (a tree reads the marginals instead)
+        if greedy is None and not self.tree:
+            greedy = argmax(sub) if ids is None else ids[argmax(sub)]
         out = []
         for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
             if k == 0:
