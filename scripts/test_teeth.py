@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, planted bug, tests aimed at it)
 BUGS = [
     (
+        "a tree's commit moves the cache's slots but not the features it hands the draft",
+        "flashdraft/models/batch.py",
+        "            if feats is not None:\n                feats = feats.gather(1, order",
+        "            if feats is None:\n                feats = feats.gather(1, order",
+        "tests/test_runner.py::test_a_trees_commit_on_the_runner_moves_its_features_with_its_slots",
+    ),
+    (
         "the C++ slot reorder moves every row's slots by the first row's path",
         "flashdraft/models/runner/kernels/layers.cpp",
         "std::memcpy(tmp.data() + j * row, slots + ix[r * n + j] * row, row);",
@@ -38,15 +45,15 @@ BUGS = [
     (
         "the head in the C++ layers' call reads each row's first tokens, not its last",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "row = r / keep * t + t - keep + r % keep;",
-        "row = r / keep * t + r % keep;",
+        "return r / keep * t + t - keep + r % keep; },",
+        "return r / keep * t + r % keep; },",
         "tests/test_runner.py::test_the_head_in_the_layers_call_gives_the_heads_own_bits",
     ),
     (
         "a native draft call's RoPE table grown to its block's positions only",
         "flashdraft/models/draft.py",
-        "                if table.covers(block_positions) and (not has_ctx or table.covers(ctx_positions)):",
-        "                if table.covers(block_positions):",
+        "                rope_ctx = table.whole_or_rows(ctx_positions) if has_ctx else None",
+        "                rope_ctx = ((table.cos, table.sin), ctx_positions) if has_ctx else None",
         "tests/test_runner.py::test_a_native_draft_call_looks_up_every_position_it_is_given",
     ),
     (
@@ -94,8 +101,8 @@ BUGS = [
     (
         "the C++ draft call's vocabulary head reads each row's anchor instead of the position after it",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "row = r / (t - 1) * t + r % (t - 1) + 1;",
-        "row = r / (t - 1) * t + r % (t - 1);",
+        "return r / (t - 1) * t + r % (t - 1) + 1; },",
+        "return r / (t - 1) * t + r % (t - 1); },",
         "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
     ),
     (
@@ -504,10 +511,10 @@ BUGS = [
         "tests/test_adaptive.py::test_a_probe_that_could_not_pay_is_not_made",
     ),
     (
-        "a row's unread context miscounted (its length not kept as chunks come)",
+        "a row's unread context miscounted (its length not kept as steps come)",
         "flashdraft/engine/proposers.py",
-        "        self.length += chunk.shape[0]",
-        "        pass",
+        "            ctx.length += k",
+        "            pass",
         "tests/test_batch.py::test_join_midway_and_cancel",
     ),
     (

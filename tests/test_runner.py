@@ -537,11 +537,11 @@ def test_the_head_in_the_layers_call_gives_the_heads_own_bits(kind):
 @pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
 def test_the_cache_moves_a_trees_accepted_slots_as_the_torch_gather_does():
     """`KVCache.reorder` (one C++ call, `reorder_slots`) gives every layer's keys and values the bytes
-    `_reorder_block` (a gather and a copy per layer and tensor) gives them, paths of any order and
+    `_gather_block` (a gather and a copy per layer and tensor) gives them, paths of any order and
     length per row, and leaves the slots before `start` alone."""
     import copy
 
-    from flashdraft.models.batch import _reorder_block
+    from flashdraft.models.batch import _gather_block
     from flashdraft.models.runner.cache import KVCache
 
     g = torch.Generator().manual_seed(5)
@@ -553,10 +553,42 @@ def test_the_cache_moves_a_trees_accepted_slots_as_the_torch_gather_does():
     cache.length = 12
     order = torch.tensor([[0, 3, 1, 1], [0, 1, 2, 3], [0, 4, 4, 4]])  # relative to start
     want = copy.deepcopy(cache)
-    _reorder_block(want, 7, order)
+    _gather_block(want, 7, order)
     assert cache.reorder(7, order)
     for a, b in zip(cache.k + cache.v, want.k + want.v, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+def test_a_trees_commit_on_the_runner_moves_its_features_with_its_slots():
+    """After a tree verify on the native runner (whose cache moves slots in C++), `TargetBatch.commit`
+    moves each row's accepted nodes to the front of its block in the cache and in the features it hands
+    the draft, in the same order: a draft reading the rejected nodes' features proposes worse, which
+    no output test would show."""
+    import copy
+
+    from flashdraft.models.batch import Slots, TargetBatch, _gather_block, path_order
+
+    run = quantized("llama", "q8_0")
+    g = torch.Generator().manual_seed(6)
+    batch = TargetBatch(run, [0, 1])
+    batch.cache = run.new_cache()
+    batch.cache.reserve(2, 12)
+    for buf in (batch.cache.k, batch.cache.v):
+        for t in buf:
+            t.copy_(torch.randn(t.shape, generator=g).bfloat16())
+    batch.cache.length = 12
+    batch.slots = Slots(2, 7)
+    batch._block_pos = torch.arange(7, 12).expand(2, -1)
+    feats = torch.randn(2, 5, 6, generator=g)
+    paths = [[1, 3], [0]]  # row 0 kept nodes 1 and 3 (slots 2 and 4), row 1 its first node
+    order = path_order(paths)
+    want_cache = copy.deepcopy(batch.cache)
+    _gather_block(want_cache, 7, order)
+    got = batch.commit([3, 2], paths, feats)
+    assert torch.equal(got, feats.gather(1, order[:, :, None].expand(-1, -1, 6)))
+    for a, b in zip(batch.cache.k + batch.cache.v, want_cache.k + want_cache.v, strict=True):
+        assert torch.equal(a[:, :, :10], b[:, :, :10])
 
 
 @pytest.mark.skipif(not OURS, reason="our kernels could not be built here")

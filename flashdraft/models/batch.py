@@ -133,12 +133,16 @@ def path_order(paths: list[list[int]], device=None) -> torch.Tensor | None:
     return torch.tensor([o + o[-1:] * (width - len(o)) for o in order], dtype=torch.long, device=device)
 
 
-def _no(*args) -> bool:
-    return False
-
-
 def _reorder_block(cache, start: int, order: torch.Tensor) -> None:
-    """In place, every row's slots start.. of a target cache take the slots start + order (B, L)."""
+    """In place, every row's slots start.. of a target cache take the slots start + order (B, L): in one
+    call where the cache moves them itself (the runner's, `KVCache.reorder`), else a gather per layer."""
+    reorder = getattr(cache, "reorder", None)
+    if reorder is None or not reorder(start, order):
+        _gather_block(cache, start, order)
+
+
+def _gather_block(cache, start: int, order: torch.Tensor) -> None:
+    """`_reorder_block` on any cache: a gather and a copy per layer and tensor."""
     for layer in cache.layers:
         for t in (layer.keys, layer.values):
             if t is not None and t.dim() == 4:
@@ -250,7 +254,7 @@ class TargetBatch:
 
     def commit(self, n, paths=None, feats=None):
         order = None if paths is None else path_order(paths, self.target.device)
-        if order is not None and not getattr(self.cache, "reorder", _no)(self.slots.length, order):
+        if order is not None:
             _reorder_block(self.cache, self.slots.length, order)
             if feats is not None:
                 feats = feats.gather(1, order[:, :, None].expand(-1, -1, feats.shape[2]))

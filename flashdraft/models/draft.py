@@ -521,12 +521,8 @@ class DFlashDraft(nn.Module):
             out = self.native(x, ctx, rope_x, rope_ctx, cache, mask, raw, fused, embed)
             if out is None:  # a position past the table (nothing written): grown to it, or made here
                 # (a batch's context is padded to its longest row's: its padding may pass a row's block)
-                if table.covers(block_positions) and (not has_ctx or table.covers(ctx_positions)):
-                    whole = table.cos, table.sin
-                    rope_x, rope_ctx = (whole, block_positions), (whole, ctx_positions) if has_ctx else None
-                else:
-                    rope_x = self.rope(block_positions, dtype)
-                    rope_ctx = self.rope(ctx_positions, dtype) if has_ctx else None
+                rope_x = table.whole_or_rows(block_positions)
+                rope_ctx = table.whole_or_rows(ctx_positions) if has_ctx else None
                 out = self.native(x, ctx, rope_x, rope_ctx, cache, mask, raw, fused, embed)
             x, logits, picks = out
         else:

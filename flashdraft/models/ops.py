@@ -61,6 +61,12 @@ class RopeTable:
             return rope_tables(positions, self.inv_freq, self.scale, self.dtype)
         return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
 
+    def whole_or_rows(self, positions: torch.Tensor):
+        """What a C++ forward takes for these positions (B, T) when a call with the whole tables found one
+        past them: ((cos, sin) of the whole tables, positions) once grown to cover them, or, for a
+        negative position, (their own rows (B, T, 1, D), None)."""
+        return ((self.cos, self.sin), positions) if self.covers(positions) else (self(positions), None)
+
     def covers(self, positions: torch.Tensor) -> bool:
         """Whether the tables hold rows for these positions (grown to, where they are past its end);
         False for a negative one. Then `cos` and `sin` (n, D) are what the C++ forwards look them up in

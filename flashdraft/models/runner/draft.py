@@ -142,8 +142,6 @@ class NativeDraftLayers:
 
 
 def _tables(rope):
-    """((cos, sin), positions) for `draft_forward`: a whole table's and the positions to look up, or
-    the positions' own rows (B, T, 1, D) as (B, T, D) and None."""
-    if isinstance(rope[0], tuple):
-        return rope
-    return tuple(t.flatten(2) for t in rope), None
+    """((cos, sin), positions) for `draft_forward`: a whole table's and the positions to look up
+    (`RopeTable.whole_or_rows`), or the positions' own rows (B, T, 1, D) and None."""
+    return rope if isinstance(rope[0], tuple) else (rope, None)

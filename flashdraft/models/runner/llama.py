@@ -231,9 +231,8 @@ class Runner(nn.Module):
             call = torch.ops.flashdraft.llama_forward
             out = call(self.handle, ids, table.cos, table.sin, *args, self.embed, positions, *tail)
             if not out:  # a position past the table (nothing written): grown to it, or, below 0, made here
-                whole = table.covers(positions)
-                cos, sin = (table.cos, table.sin) if whole else table(positions)
-                out = call(self.handle, ids, cos, sin, *args, self.embed, positions if whole else None, *tail)
+                (cos, sin), pos = table.whole_or_rows(positions)
+                out = call(self.handle, ids, cos, sin, *args, self.embed, pos, *tail)
             return out[0], out[1] if features else None, out[-1] if head is not None else None
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions, x.dtype)

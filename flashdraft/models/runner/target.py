@@ -146,18 +146,17 @@ class RunnerTarget:
             slots = torch.arange(start + t, device=input_ids.device)
             attention_mask = self.attention_mask(positions, slots[None] + (positions[:, :1] - start))
         n = None if lengths is None else torch.tensor(lengths, dtype=torch.long)
-        wanted = list(features or ())
+        wanted, logits = list(features or ()), None
         if n is None and hasattr(self.runner, "forward_head"):  # the head in the layers' call, where it can
             keep = logits_to_keep if 0 < logits_to_keep < t else t
             x, feats, logits = self.runner.forward_head(
                 input_ids, positions, cache, start, attention_mask, wanted, None, keep
             )
-            cache.length = start + t
-            if logits is not None:
-                return logits, feats
         else:
             x, feats = self.runner(input_ids, positions, cache, start, attention_mask, wanted, n)
-            cache.length = start + t
+        cache.length = start + t
+        if logits is not None:
+            return logits, feats
         if n is not None and logits_to_keep and self.ragged:  # each row's own last tokens
             last = (n[:, None] - logits_to_keep + torch.arange(logits_to_keep)).clamp_min(0).to(x.device)
             return self.runner.head(x.gather(1, last[:, :, None].expand(-1, -1, x.shape[-1]))), feats

@@ -490,6 +490,18 @@ void team_gemm(const Acts& a, const Linear& l, bf16* y, int64_t path) {
   for (int64_t t = 0; t < (w.n + 15) / 16; ++t) gemm_tiles(a, w, path, t, t + 1, y, bias);
 }
 
+// y = the rows row(0), ..., row(n - 1) of x (width k) times l's weights: quantized into `a` (n rows),
+// then `team_gemm` (a head over some of a forward's rows, the draft's fc over the raw context).
+template <typename Row>
+void rows_gemm(const bf16* x, int64_t k, int64_t n, Row row, Acts& a, const Linear& l, bf16* y, int64_t path) {
+#pragma omp for
+  for (int64_t i = 0; i < n * a.blocks; ++i) {
+    const int64_t r = i / a.blocks;
+    quantize_act(x + (row(r) - r) * k, k, i, path, a);  // quantize_act reads row r of its x
+  }
+  team_gemm(a, l, y, path);
+}
+
 // Row r of x (width k) into `a`'s blocks.
 void quantize_row(const bf16* x, int64_t k, int64_t r, Acts& a, int64_t path) {
   for (int64_t g = 0; g < a.blocks; ++g) quantize_act(x, k, r * a.blocks + g, path, a);
@@ -839,14 +851,9 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, c
                       last ? nullptr : &w.hidden, last ? final_copy : nullptr, stride};
       layer_team(m, m.layers[i], w, caches[i], hidden, next, scratch);
     }
-    if (keep) {  // the head over each row's last `keep` normed tokens
-#pragma omp for
-      for (int64_t i = 0; i < b * keep * ha.blocks; ++i) {
-        const int64_t r = i / ha.blocks, row = r / keep * t + t - keep + r % keep;
-        quantize_act(hx.data_ptr<bf16>() + (row - r) * hidden, hidden, i, path, ha);
-      }
-      team_gemm(ha, hl, logits.data_ptr<bf16>(), path);
-    }
+    if (keep)  // the head over each row's last `keep` normed tokens
+      rows_gemm(hx.data_ptr<bf16>(), hidden, b * keep, [&](int64_t r) { return r / keep * t + t - keep + r % keep; },
+                ha, hl, logits.data_ptr<bf16>(), path);
   }
   const at::Tensor& y = normed ? hx : h;
   out[0] = ragged ? at::zeros_like(x).view({b * t, hidden}).index_copy_(0, index, y).view(x.sizes()) : y.view(x.sizes());
@@ -952,9 +959,8 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, c
   {
     Scratch scratch;
     if (!fc.empty()) {  // the context through fc and the hidden norm into kx's rows after the block's
-#pragma omp for
-      for (int64_t i = 0; i < b * c * fca.blocks; ++i) quantize_act(raw.data_ptr<bf16>(), raw.size(1), i, path, fca);
-      team_gemm(fca, fcl, fco.data_ptr<bf16>(), path);
+      rows_gemm(raw.data_ptr<bf16>(), raw.size(1), b * c, [](int64_t r) { return r; }, fca, fcl, fco.data_ptr<bf16>(),
+                path);
 #pragma omp for
       for (int64_t r = 0; r < b * c; ++r)
         rms_norm(fco.data_ptr<bf16>() + r * hidden, fc[2].data_ptr<bf16>(), kx.data_ptr<bf16>() + (rows + r) * hidden, 1,
@@ -973,14 +979,9 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, c
       draft_layer_team(m, m.layers[i], w, caches[i], kv, c, c2.data_ptr<bf16>(), s2.data_ptr<bf16>(), hidden, next,
                        scratch);
     }
-    if (!head.empty()) {  // the head over the normed rows 1..t - 1 of each row of the batch
-#pragma omp for
-      for (int64_t i = 0; i < b * (t - 1) * ha.blocks; ++i) {
-        const int64_t r = i / ha.blocks, row = r / (t - 1) * t + r % (t - 1) + 1;  // skip each anchor
-        quantize_act(hx.data_ptr<bf16>() + (row - r) * hidden, hidden, i, path, ha);
-      }
-      team_gemm(ha, hl, logits.data_ptr<bf16>(), path);
-    }
+    if (!head.empty())  // the head over the normed rows 1..t - 1 of each row of the batch (not its anchor)
+      rows_gemm(hx.data_ptr<bf16>(), hidden, b * (t - 1), [&](int64_t r) { return r / (t - 1) * t + r % (t - 1) + 1; },
+                ha, hl, logits.data_ptr<bf16>(), path);
   }
   std::vector<at::Tensor> out{(normed ? hx : h).view(x.sizes())};
   if (!head.empty()) out.push_back(logits);
@@ -991,7 +992,7 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, c
 // After a tree verify: in every layer's keys and values (b, kv_heads, capacity, head_dim), row r's slots
 // start.. take its slots start + order[r][j] (b, n), in place: the accepted path moved to the block's
 // front. One call for all layers; as torch ops it was a gather and a copy per layer and tensor (about 360
-// ops a step, each with the caches the weights had swept). The same bytes as `_reorder_block`.
+// ops a step, each with the caches the weights had swept). The same bytes as `_gather_block`.
 void reorder_slots(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int64_t start,
                    const at::Tensor& order) {
   TORCH_CHECK(order.scalar_type() == at::kLong && order.dim() == 2, "reorder_slots: order must be int64 (b, n)");
