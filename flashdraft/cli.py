@@ -25,7 +25,6 @@ from flashdraft.models.target import (
     TargetError,
     check_model_dir,
     resolve_device,
-    resolve_dtype,
 )
 
 
@@ -103,8 +102,8 @@ def add_runner_arguments(p) -> None:
 
 def cmd_generate(args) -> int:
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    target = load_target(args.target, dtype, str(device), args.runner, args.quantize)
+    target = load_target(args.target, args.dtype, str(device), args.runner, args.quantize)
+    dtype = target.dtype  # what `auto` chose (flashdraft.models.compute): the draft runs in it too
     proposer = None
     # Adaptive cuts follow measured timings, so with them a seed fixes only the distribution: seeded sampling
     # runs fixed blocks unless asked otherwise.
@@ -377,7 +376,7 @@ def _add_generate(sub) -> None:
         "--dtype",
         choices=["auto", *DTYPES],
         default="auto",
-        help="auto: bf16 where the hardware has it, else float32",
+        help="auto: bf16 on our CPU kernels (any x86 CPU they build on) and where the hardware has it, else float32 (what runs is printed: flashdraft.models.compute)",
     )
     add_runner_arguments(g)
     g.add_argument("--ignore-eos", action="store_true")
@@ -476,7 +475,7 @@ def _add_datagen(sub) -> None:
         "--dtype",
         choices=["auto", *DTYPES],
         default="auto",
-        help="auto: bf16 where the hardware has it, else float32",
+        help="auto: bf16 on our CPU kernels (any x86 CPU they build on) and where the hardware has it, else float32 (what runs is printed: flashdraft.models.compute)",
     )
     d.add_argument(
         "--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N] (local target)"
@@ -540,7 +539,10 @@ def _add_serve_arguments(p) -> None:
         "--tree-nodes", type=int, default=TREE_NODES, help="drafted tokens per tree (--speculation tree)"
     )
     p.add_argument(
-        "--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 where the hardware has it"
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="auto: bf16 on our CPU kernels and where the hardware has it",
     )
     p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     add_runner_arguments(p)

@@ -869,14 +869,14 @@ def serve(cfg: ServeConfig) -> None:
 
     from flashdraft.models.draft import DFlashDraft
     from flashdraft.models.load import load_target, local_dir
-    from flashdraft.models.target import resolve_device, resolve_dtype
+    from flashdraft.models.target import resolve_device
 
     if cfg.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be >= 1, got {cfg.max_batch_size}")
     sock = bind(cfg.host, cfg.port)
     device = str(resolve_device(cfg.device))  # the one "auto" rule of every verb; refuses a missing GPU
-    dtype = resolve_dtype(cfg.dtype, device)
-    target = load_target(cfg.target, dtype, device, cfg.runner, cfg.quantize)
+    target = load_target(cfg.target, cfg.dtype, device, cfg.runner, cfg.quantize)
+    dtype = target.dtype  # what `auto` chose (flashdraft.models.compute): the draft runs in it too
     if target.tokenizer is None:
         raise ValueError(
             f"target {cfg.target!r} has no tokenizer: the server needs one to read and write text"

@@ -282,8 +282,14 @@ def test_generate_reports_what_runs_and_warns_where_it_is_not_exact(dirs):
     assert out["device"] == "cpu" and out["dtype"] == "float64" and "note:" not in exact.stderr
     assert out["runner"] == "native runner, dense weights, float64"
     default = run(*common, "--dtype", "bfloat16")
-    ours = "q8_0" if kernels.available() else "int8"  # torch's int8 where no compiler is found
-    assert json.loads(default.stdout)["runner"] == f"native runner, {ours} weights, bfloat16"
+    ours = (
+        f"q8_0 weights, bfloat16, {kernels.path_name()} kernels"
+        if kernels.available()
+        else "int8 weights, bfloat16"
+    )
+    assert (
+        json.loads(default.stdout)["runner"] == f"native runner, {ours}"
+    )  # int8: torch's, where no compiler
     assert "note:" not in default.stderr
     for extra, what in (
         (["--quantize", "none"], "native runner, dense weights, bfloat16"),

@@ -10,9 +10,10 @@ import transformers as tf
 from conftest import make_hf_model
 
 from flashdraft import Target, load_target
+from flashdraft.models.compute import choose
 from flashdraft.models.runner import Quantization, RunnerTarget, kernels
 from flashdraft.models.runner.quant import BlockLinear
-from flashdraft.models.target import TargetError
+from flashdraft.models.target import TargetError, cpu_has_fast_bf16
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def test_the_default_is_the_exact_native_runner_in_bf16(dirs):
     assert isinstance(t, RunnerTarget) and t.exact
     ours = "q8_0" if kernels.available() else "int8"  # torch's int8 where no compiler is found
     assert t.quantization == Quantization(ours, ours) and t.dtype == torch.bfloat16
-    assert t.describe() == f"native runner, {ours} weights, bfloat16"
+    on = f", {kernels.path_name()} kernels" if kernels.available() else ""
+    assert t.describe() == f"native runner, {ours} weights, bfloat16{on}"
     assert t.model.dtype == torch.bfloat16  # the transformers model beside it (bench's peers) too
     for dtype in ("float32", "float64"):
         dense = load_target(dirs / "llama", dtype)
@@ -83,10 +85,53 @@ def test_transformers_on_request_and_where_the_runner_cannot(dirs):
 def test_our_cpu_kernels_are_not_the_default_on_other_devices():
     """On a GPU the default stays torch's int8 (our kernels read CPU memory), and asking for q8_0 there
     is a clear error, before any model loads."""
-    from flashdraft.models.load import default_quantization
-
-    assert default_quantization(torch.bfloat16, "auto", "cuda") == Quantization("int8", "int8")
+    gpu = choose("cuda", "auto", "auto", "native", "llama")
+    assert gpu.quantization == Quantization("int8", "int8") and gpu.dtype == torch.bfloat16
+    assert gpu.kernels == "torch"
     with pytest.raises(TargetError, match="--quantize q4_1 runs on our CPU kernels: use --device cpu"):
-        default_quantization(torch.bfloat16, "q4_1", "cuda:0")
+        choose("cuda:0", "bfloat16", "q4_1")
     ours = "q8_0" if kernels.available() else "int8"
-    assert default_quantization(torch.bfloat16, "auto", "cpu") == Quantization(ours, ours)
+    assert choose("cpu", torch.bfloat16, "auto", "native", "llama").quantization == Quantization(ours, ours)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="our kernels could not be built here")
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_on_any_cpu_our_kernels_run_the_default_in_bf16(native_bf16, monkeypatch):
+    """Our kernels and C++ layers never use torch's bf16 matmuls, so a CPU without native bf16 (AVX2 only)
+    gets them too: bf16 activations on a GGUF's own blocks. Only where torch's ops carry the layers (the
+    transformers target, Gemma 3's layers) does `auto` follow torch's bf16 (float32 without it)."""
+    import flashdraft.models.target as target_mod
+
+    monkeypatch.setattr(target_mod, "cpu_has_fast_bf16", lambda: native_bf16)
+    torch_dtype = torch.bfloat16 if native_bf16 else torch.float32
+    stored = Quantization("q4_1", "q8_0")
+    for family in ("llama", "qwen3"):
+        c = choose("cpu", "auto", "auto", "native", family, stored)
+        assert (c.dtype, c.quantization, c.kernels) == (torch.bfloat16, stored, kernels.path_name())
+        assert choose("cpu", "auto", "auto", "native", family).quantization == Quantization("q8_0", "q8_0")
+        dense = choose("cpu", "auto", "none", "native", family)  # torch's dense GEMMs
+        assert (dense.dtype, dense.quantization, dense.kernels) == (torch_dtype, Quantization(), "torch")
+    gemma = choose("cpu", "auto", "auto", "native", "gemma3_text", stored)
+    assert gemma.dtype == torch_dtype and gemma.quantization == (stored if native_bf16 else Quantization())
+    hf = choose("cpu", "auto", "auto", "transformers", "llama")
+    assert (hf.runner, hf.dtype, hf.quantization) == ("transformers", torch_dtype, None)
+    assert choose("cpu", "float32", "auto", "native", "llama").quantization == Quantization()  # as asked
+    monkeypatch.setitem(kernels._state, "ok", False)  # no compiler: torch's ops everywhere
+    none = choose("cpu", "auto", "auto", "native", "llama")
+    assert none.dtype == torch_dtype and none.kernels == "torch"
+    assert none.quantization == (Quantization("int8", "int8") if native_bf16 else Quantization())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="our kernels could not be built here")
+def test_forcing_the_avx2_path_makes_auto_act_as_on_an_avx2_cpu(dirs, monkeypatch):
+    """FLASHDRAFT_KERNEL=avx2: the kernels' path and the auto rules as on a CPU without native bf16;
+    the default is still our kernels in bf16, and says so."""
+    if kernels.best() == "reference":
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv("FLASHDRAFT_KERNEL", "avx2")
+    monkeypatch.setitem(kernels._state, "path", kernels.PATHS["avx2"])
+    assert not cpu_has_fast_bf16()
+    t = load_target(dirs / "llama")
+    assert isinstance(t, RunnerTarget) and t.exact and t.dtype == torch.bfloat16
+    assert t.describe() == "native runner, q8_0 weights, bfloat16, avx2 kernels"
+    assert load_target(dirs / "llama", runner="transformers").dtype == torch.float32

@@ -1559,7 +1559,7 @@ def add_arguments(p) -> None:
 def main_from_args(args) -> int:
     from flashdraft.engine.sampling import SamplingConfig
     from flashdraft.models.load import load_target, local_dir
-    from flashdraft.models.target import resolve_device, resolve_dtype
+    from flashdraft.models.target import resolve_device
 
     try:
         block_sizes = tuple(int(b) for b in _csv(args.block_sizes))
@@ -1584,9 +1584,8 @@ def main_from_args(args) -> int:
     if args.samples < 1:
         raise BenchError(f"--samples must be >= 1, got {args.samples}")
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    target = load_target(args.target, dtype, str(device), args.runner, args.quantize)
-    draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=dtype, device=target.device)
+    target = load_target(args.target, args.dtype, str(device), args.runner, args.quantize)
+    draft = DFlashDraft.from_pretrained(local_dir(args.draft), dtype=target.dtype, device=target.device)
     prompts = load_prompts(target, _csv(args.datasets), args.samples, args.chat_template_kwargs)
     command = "flashdraft " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else ""
     results = run_bench(

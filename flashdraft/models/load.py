@@ -32,7 +32,7 @@ import torch
 
 from flashdraft.files import usual_mode
 from flashdraft.models.runner.quant import Quantization
-from flashdraft.models.target import Target, TargetError, resolve_dtype
+from flashdraft.models.target import DTYPES, Target, TargetError
 
 log = logging.getLogger("flashdraft")
 
@@ -521,22 +521,22 @@ def load_target(
 
     `runner`: "transformers" gives the transformers `Target` (training, export and the reference in
     tests need that one); "native" our own model code (`flashdraft.models.runner`), "auto" the native runner
-    where it covers the architecture. `quantize` ("auto", "none", "int8", "int4") sets the native
-    runner's weights (`default_quantization`). The default, on a CPU with native bf16, is exact:
-    quantized weights and bf16 activations make a verify row equal a one-token step bitwise."""
+    where it covers the architecture. `dtype` and `quantize` ("auto", "none", "int8", "int4", "q8_0",
+    "q4_1"): what runs is `flashdraft.models.compute.choose`'s, which the result's `describe()` names. The
+    default is exact: quantized weights and bf16 activations make a verify row equal a one-token step
+    bitwise."""
+    from flashdraft.models.compute import choose
     from flashdraft.models.runner import RunnerTarget, supports
 
     if runner not in RUNNERS:
         raise TargetError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
-    if runner == "transformers" and quantize not in ("auto", "none"):
-        raise TargetError(f"--quantize {quantize} needs the native runner: drop --runner transformers")
-    kind, text, path = target_kind(spec), str(spec), Path(spec).expanduser()
-    dtype = resolve_dtype(dtype, device)
-    plan = None if runner == "transformers" else default_quantization(dtype, quantize, device)
-    # Quantize from the checkpoint's own values (float32 for converted GGUFs), not from a bf16 copy.
-    load_dtype = (
-        torch.float32 if plan is not None and plan.layers != "none" and dtype != torch.float64 else dtype
-    )
+    asked_for = choose(device, dtype, quantize, "transformers" if runner == "transformers" else "native")
+    kind, text, path = target_kind(spec), str(spec), Path(spec).expanduser()  # bad input before loading
+    # The native runner's checkpoint in float32 unless a dtype that is not auto keeps dense weights:
+    # quantized weights come from the checkpoint's own values (float32 for converted GGUFs), not a bf16 copy.
+    asked = dtype if isinstance(dtype, torch.dtype) else DTYPES.get(dtype)
+    keep = asked is not None and (asked == torch.float64 or quantize == "none")
+    load_dtype = asked_for.dtype if runner == "transformers" else asked if keep else torch.float32
     if kind == "builtin":
         target = load_hf_model(text, load_dtype, device)
     elif kind == "gguf":
@@ -549,40 +549,11 @@ def load_target(
     why = supports(target.config)
     if why and runner == "native":
         raise TargetError(f"{why}: use --runner transformers")
-    if why:  # auto: the transformers target, in the dtype asked for
-        return target if target.dtype == dtype else Target(target.model.to(dtype), target.tokenizer)
-    if quantize == "auto" and plan.layers in ("q8_0", "q4_1"):  # a GGUF's own types (see above)
-        plan = native_quantization(target.model.config.name_or_path) or plan
-    run = RunnerTarget.from_target(target, plan, dtype)
-    target.model.to(dtype)  # the transformers model (bench's peers, export) in the runner's dtype too
+    if why:  # auto: the transformers target, in the dtype torch's ops run best in
+        act = choose(device, dtype, "auto", "transformers").dtype
+        return target if target.dtype == act else Target(target.model.to(act), target.tokenizer)
+    stored = native_quantization(target.model.config.name_or_path)  # a GGUF's own types (see above)
+    compute = choose(device, dtype, quantize, "native", target.config.model_type, stored)
+    run = RunnerTarget.from_target(target, compute.quantization, compute.dtype)
+    target.model.to(compute.dtype)  # the transformers model (bench's peers, export) in the runner's dtype too
     return run
-
-
-def default_quantization(dtype: torch.dtype, quantize: str = "auto", device: str = "cpu") -> Quantization:
-    """The native runner's weights. Explicit "none" / "int8" / "int4" apply to layers and head alike.
-    "auto": quantized weights with bf16 activations (the exact combination, see `RunnerTarget.exact`),
-    dense otherwise. Quantized means q8_0 on our kernels (blocks of 32, int8 activations), and
-    `load_target` then keeps a GGUF's own types (`gguf_quantization`): the built-in SmolLM2 runs its
-    Q4_1 layers and its Q8_0 head as they are stored. Where our kernels cannot be built, torch's int8
-    per channel (bf16 activations) instead, and one line says so. Not torch's int4: its scales in the
-    activation dtype move SmolLM2's Q4_1 weights enough to flip its answer to "What is the capital of
-    France?"; our q4_1 keeps the file's fp16 scales."""
-    from flashdraft.models.runner import QUANTIZE, kernels
-
-    cpu = torch.device(device).type == "cpu"  # our kernels are CPU kernels
-    if quantize == "auto":
-        if dtype != torch.bfloat16:
-            return Quantization()
-        return Quantization.of("q8_0" if cpu and kernels.available() else "int8")
-    if quantize not in QUANTIZE:
-        raise TargetError(f"quantize must be auto or one of {', '.join(QUANTIZE)}, got {quantize!r}")
-    if quantize in kernels.KINDS and not cpu:
-        raise TargetError(
-            f"--quantize {quantize} runs on our CPU kernels: use --device cpu, or --quantize int8"
-        )
-    if quantize in kernels.KINDS and not kernels.available():
-        raise TargetError(
-            f"--quantize {quantize} needs flashdraft's CPU kernels, which could not be built "
-            "here (see the line above): install a C++ compiler (g++), or use --quantize int8"
-        )
-    return Quantization.of(quantize)

@@ -31,7 +31,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch
 
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (avx512_bf16 / amx_bf16). Without it, torch
-    emulates bf16 matmuls, measured 25x slower than float32 on our AVX2-only machines."""
+    emulates bf16 matmuls, measured 25x slower than float32 on our AVX2-only machines. False too where
+    FLASHDRAFT_KERNEL forces our kernels below AVX-512 (avx2, reference): the auto rules then act as on a
+    CPU of that kind (flashdraft.models.compute)."""
+    if os.environ.get("FLASHDRAFT_KERNEL") in ("avx2", "reference"):
+        return False
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:

@@ -624,9 +624,9 @@ def _check_config(cfg: DatagenConfig) -> list[str]:
 
     from flashdraft.models.target import TargetError, resolve_device, resolve_dtype
 
-    try:  # "auto" is resolved here, so the meta file records what actually ran
+    try:  # "auto" is resolved here and the dtype where the target loads, so the meta file records what ran
         cfg.device = str(resolve_device(cfg.device))
-        cfg.dtype = str(resolve_dtype(cfg.dtype, cfg.device)).removeprefix("torch.")
+        resolve_dtype(cfg.dtype, cfg.device)  # checked; load_target chooses what "auto" runs
     except TargetError as e:
         raise DataGenError(str(e)) from None
     except ValueError as e:
@@ -646,12 +646,14 @@ def _load_backend(cfg: DatagenConfig):
         from flashdraft.models.load import load_target
         from flashdraft.models.target import cpu_has_fast_bf16
 
-        if cfg.dtype == "bfloat16" and cfg.device == "cpu" and not cpu_has_fast_bf16():
+        torch_ops = cfg.runner == "transformers"  # the native runner's bf16 runs on our kernels instead
+        if torch_ops and cfg.dtype == "bfloat16" and cfg.device == "cpu" and not cpu_has_fast_bf16():
             log.warning(
                 "flashdraft: this CPU has no native bfloat16 (no avx512_bf16 / amx_bf16): bf16 matmuls are "
                 "emulated, far slower than float32 here; pass --dtype float32 (or auto)"
             )
         target = load_target(cfg.target, cfg.dtype, cfg.device, cfg.runner, cfg.quantize)
+        cfg.dtype = str(target.dtype).removeprefix("torch.")  # what `auto` chose
         cfg.weights = target.describe()
         tokenizer, stop_ids = target.tokenizer, target.stop_ids
     if tokenizer is None:

@@ -50,6 +50,11 @@ class Quantization:
         return spec if isinstance(spec, Quantization) else cls(spec, spec)
 
     @property
+    def ours(self) -> bool:
+        """Whether our kernels run some of these weights (GGUF's blocks: q8_0, q4_1)."""
+        return self.layers in kernels.KINDS or self.head in kernels.KINDS
+
+    @property
     def quantized(self) -> bool:
         return self.layers != "none" and self.head != "none"
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.models.runner import gemma, llama
+from flashdraft.models.runner import gemma, kernels, llama
 from flashdraft.models.runner.cache import KVCache
 from flashdraft.models.runner.quant import Quantization
 from flashdraft.models.target import Target, TargetError
@@ -91,7 +91,8 @@ class RunnerTarget:
 
     def describe(self) -> str:
         """Which weights and numerics run, for the CLI's banners."""
-        return f"native runner, {self.quantization} weights, {str(self.dtype).removeprefix('torch.')}"
+        on = f", {kernels.path_name()} kernels" if self.quantization.ours else ""
+        return f"native runner, {self.quantization} weights, {str(self.dtype).removeprefix('torch.')}{on}"
 
     def default_mask_token_id(self):
         return self.reference.default_mask_token_id()

@@ -55,6 +55,11 @@ def force(name: str) -> None:
     _state["path"] = PATHS[name]
 
 
+def path_name() -> str:
+    """The path the GEMM runs now: the forced one, else the fastest this CPU runs."""
+    return best() if path() == PATHS["auto"] else next(n for n, c in PATHS.items() if c == path())
+
+
 def best() -> str:
     """The fastest path this CPU runs."""
     code = torch.ops.flashdraft.best_path()
