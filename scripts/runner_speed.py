@@ -8,7 +8,8 @@ batch of 8 rows, a verify of 4 tokens a row for 8 rows, the same where only one 
 (`ragged`: the others need their anchor alone, as in adaptive speculation's batches; a ragged
 runner does not compute their padding), and a prompt of 512 tokens from an empty cache. Variants: `transformers` (bf16), or
 the runner's weights: none (dense bf16), int8 / int4 (torch's kernels), q8_0 / q4_1 (ours; `L+H`
-for layers and head apart, e.g. q4_1+q8_0, the built-in SmolLM2's own GGUF types). They run
+for layers and head apart, e.g. q4_1+q8_0, the built-in SmolLM2's own GGUF types), each on a kernel
+path of its own with `@path` (q4_1+q8_0@avx2 beside q4_1+q8_0@avx512: an A/B of the paths). They run
 interleaved, round after round (this kind of VM drifts by 15-25% over minutes), and the table shows
 medians. Each timed forward is cropped back, so the cache stays at the same length, as the engine's
 verify steps are.
@@ -40,7 +41,7 @@ SHAPES = {
 def build(ref, spec: str):
     if spec == "transformers":
         return ref
-    layers, _, head = spec.partition("+")
+    layers, _, head = spec.partition("@")[0].partition("+")
     plan = Quantization(layers, head or layers)
     return RunnerTarget.from_target(ref, plan, torch.bfloat16)
 
@@ -72,6 +73,7 @@ def main() -> None:
                 t.forward(prompt[:b, : args.context], torch.arange(args.context).expand(b, -1), c)
         for _ in range(args.rounds):
             for name, t in variants.items():
+                kernels.force(name.partition("@")[2] or "auto")
                 for shape, (b, m, lengths) in SHAPES.items():
                     c = caches[name, b]
                     for _ in range(args.steps):
@@ -87,20 +89,20 @@ def main() -> None:
     print(
         f"\n{args.target}, {torch.get_num_threads()} threads, {args.context} cached tokens, medians of "
         f"{args.rounds * args.steps} forwards (prompt: of {args.rounds}); our kernels' path: "
-        f"{kernels.best() if kernels.available() else 'not built'}\n"
+        f"{kernels.path_name() if kernels.available() else 'not built'} (or as named)\n"
     )
     cols = [*SHAPES, "prompt"]
     print(
         f"| {'variant':<16} | "
         + " | ".join(f"{c} ms" for c in cols)
-        + " | verify-8 / step | verify-16 / step | b8-ragged-4 / batch-8 |"
+        + " | verify-4 / step | verify-8 / step | verify-16 / step | b8-ragged-4 / batch-8 |"
     )
-    print(f"|{'-' * 18}|" + "|".join("-" * (len(c) + 5) for c in cols) + "|---|---|---|")
+    print(f"|{'-' * 18}|" + "|".join("-" * (len(c) + 5) for c in cols) + "|---|---|---|---|")
     for name in variants:
         ms = {c: statistics.median(times[name, c]) * 1e3 for c in cols}
         row = " | ".join(f"{ms[c]:{len(c) + 3}.1f}" for c in cols)
         print(
-            f"| {name:<16} | {row} | {ms['verify-8'] / ms['step']:.2f} | {ms['verify-16'] / ms['step']:.2f} | "
+            f"| {name:<16} | {row} | {ms['verify-4'] / ms['step']:.2f} | {ms['verify-8'] / ms['step']:.2f} | {ms['verify-16'] / ms['step']:.2f} | "
             f"{ms['b8-ragged-4'] / ms['batch-8']:.2f} |"
         )
 

@@ -1644,9 +1644,23 @@ BUGS = [
     (
         "kernels: a block's scale depends on how many rows are computed together",
         "flashdraft/models/runner/kernels/qgemm.cpp",
-        "      const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(a.d[i]));",
-        "      const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(a.d[i] * (R > 1 ? 1.0000001f : 1.f)));",
+        "        const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(a.d[i]));",
+        "        const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(a.d[i] * (R > 1 ? 1.0000001f : 1.f)));",
         "tests/test_kernels.py::test_a_row_does_not_depend_on_its_batch",
+    ),
+    (
+        "kernels: AVX2 Q4_1's high nibbles times the low nibbles' activations",
+        "flashdraft/models/runner/kernels/qgemm.cpp",
+        "_mm256_maddubs_epi16(hi, xgroup(xg, r, stride, j + 4))",
+        "_mm256_maddubs_epi16(hi, xgroup(xg, r, stride, j))",
+        "tests/test_kernels.py::test_every_path_gives_the_references_bits",
+    ),
+    (
+        "kernels: AVX2 Q8_0's activations not given the weights' signs",
+        "flashdraft/models/runner/kernels/qgemm.cpp",
+        "const __m256i xv = _mm256_sign_epi8(xgroup(xg, r, stride, j), wv);",
+        "const __m256i xv = xgroup(xg, r, stride, j);",
+        "tests/test_kernels.py::test_every_path_gives_the_references_bits",
     ),
     (
         "kernels: the activations' sums of the minimum term taken unquantized",

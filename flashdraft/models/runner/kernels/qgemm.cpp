@@ -145,41 +145,53 @@ void tile_reference(int kind, const uint8_t* w, const uint16_t* sc, const Acts& 
 }
 
 // ---- AVX2: 8 columns at a time (maddubs + madd give the same exact integers as VNNI) ------------
+// The weights go group by group (4 inputs of 8 columns), each used at once by every row, so only the
+// rows' sums stay in registers (16 ymm registers: a tile's 8 weight vectors beside 8 rows' sums
+// spilled). Q4_1's products (|q x| <= 15 * 127) are summed in 16 bits over the whole block (8 pairs:
+// at most 30480, no saturation) and widened once per block, not once per group; Q8_0's (|q x| up to
+// 127 * 127) are widened at each group.
+
+// 4 activation bytes of row r, group j, broadcast to every 32-bit lane.
+__attribute__((target("avx2,fma"))) inline __m256i xgroup(const int8_t* x, int64_t r, int64_t stride, int j) {
+  return _mm256_set1_epi32(*reinterpret_cast<const unaligned_i32*>(x + r * stride + 4 * j));
+}
 
 template <int R, int KIND>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const uint8_t* w, const uint16_t* sc, const Acts& a,
                                                        int64_t r0, float* out) {
   const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
-  const int64_t wbytes = KIND == Q8_0 ? 512 : 256, scn = KIND == Q8_0 ? 16 : 32;
+  const int64_t wbytes = KIND == Q8_0 ? 512 : 256, scn = KIND == Q8_0 ? 16 : 32, stride = a.blocks * BLOCK;
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < a.blocks; ++g) {
       const uint8_t* wg = w + g * wbytes + h * 32;
-      __m256i wv[8];
+      const int8_t* xg = a.q.data() + (r0 * a.blocks + g) * BLOCK;  // row r0's block g; rows `stride` apart
+      __m256i isums[R];
       if (KIND == Q4_1) {
-        for (int j = 0; j < 4; ++j) {
+        __m256i s16[R];
+        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {  // groups j (low nibbles) and j + 4 (high nibbles)
           const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
-          wv[j] = _mm256_and_si256(b, low);
-          wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+          const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+          for (int r = 0; r < R; ++r)
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xgroup(xg, r, stride, j)),
+                                                               _mm256_maddubs_epi16(hi, xgroup(xg, r, stride, j + 4))));
         }
+        for (int r = 0; r < R; ++r) isums[r] = _mm256_madd_epi16(s16[r], ones);
       } else {
-        for (int j = 0; j < 8; ++j)  // q + 128 -> q as a signed byte
-          wv[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64)), flip);
+        for (int r = 0; r < R; ++r) isums[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {  // q + 128 -> q as a signed byte; |q| against x with q's sign
+          const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64)), flip);
+          const __m256i wu = _mm256_abs_epi8(wv);
+          for (int r = 0; r < R; ++r) {
+            const __m256i xv = _mm256_sign_epi8(xgroup(xg, r, stride, j), wv);
+            // unsigned x signed bytes, pairs summed to 16 bits: |q| <= 127 and |xq| <= 127 cannot saturate
+            isums[r] = _mm256_add_epi32(isums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+          }
+        }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * scn + h * 8)));
-      __m256i isums[R];
-      for (int r = 0; r < R; ++r) isums[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        const __m256i wu = KIND == Q4_1 ? wv[j] : _mm256_abs_epi8(wv[j]);
-        for (int r = 0; r < R; ++r) {
-          int32_t x4;
-          std::memcpy(&x4, a.q.data() + ((r0 + r) * a.blocks + g) * BLOCK + 4 * j, 4);
-          const __m256i xv = KIND == Q4_1 ? _mm256_set1_epi32(x4) : _mm256_sign_epi8(_mm256_set1_epi32(x4), wv[j]);
-          // unsigned x signed bytes, pairs summed to 16 bits: |q| <= 127 and |xq| <= 127 cannot saturate
-          isums[r] = _mm256_add_epi32(isums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
-        }
-      }
       const __m256 m = KIND == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
                                           reinterpret_cast<const __m128i*>(sc + g * scn + 16 + h * 8)))
                                     : _mm256_setzero_ps();
