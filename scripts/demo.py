@@ -20,6 +20,7 @@ from flashdraft.chat import chat_ids
 from flashdraft.cli import _TextStream
 from flashdraft.engine.adaptive import DEFAULT_SPECULATION, SPECULATION, make_proposer
 from flashdraft.models.draft import init_draft_config
+from flashdraft.models.runner import kernels
 
 TARGET = "smollm2-135m-instruct"
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dflash"
@@ -32,6 +33,16 @@ PROMPTS = [
 # On CPUs a verify forward costs more per token than on GPUs (float32 here: 16 tokens ~1.7 single steps),
 # so a shorter block than the draft's 16 wins when tau is modest: the MODEL_CARD's cost table.
 CPU_BLOCK_SIZE = 8
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown"
+            )
+    except OSError:
+        return "unknown"
 
 
 def main() -> int:
@@ -53,9 +64,13 @@ def main() -> int:
     )
     args = p.parse_args()
     torch.manual_seed(0)
+    # Our kernels are built (once, cached) before anything is timed: a build beside a timing would be
+    # measured as the loop's.
+    path = kernels.path_name() if kernels.available() else "not built: torch's int8 kernel"
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; our kernels' path: {path}")
     print(f"loading {TARGET} (converted from its GGUF on first use) ...", flush=True)
-    # The native runner: the GGUF's own Q4_1 layers and Q8_0 head on our kernels, in bf16 where the CPU
-    # has it; dense float32 elsewhere.
+    # The native runner: the GGUF's own Q4_1 layers and Q8_0 head on our kernels in bf16, on any CPU they
+    # build on (flashdraft.models.compute).
     target = load_target(TARGET)
     if (args.draft / "config.json").is_file():
         draft, which = DFlashDraft.from_pretrained(args.draft, dtype=target.dtype), f"draft {args.draft}"
@@ -67,7 +82,7 @@ def main() -> int:
     if args.speculation == "adaptive":  # it cuts blocks itself: give it the draft's whole block
         block = args.block_size or draft.config.block_size
     print(
-        f"{which}; target: {target.describe()}, {torch.get_num_threads()} threads; {args.speculation} speculation, "
+        f"{which}; target: {target.describe()}; {args.speculation} speculation, "
         f"DFlash verifies blocks of up to {block}\n"
     )
     tok = target.tokenizer

@@ -58,10 +58,13 @@ def setup(cache: Path, vllm: bool = True) -> None:
     `--engines` names no vLLM engine)."""
     cache.mkdir(parents=True, exist_ok=True)
     src = llama_dir(cache)
+    sdist = cache / f"llama_cpp_python-{VERSION}.tar.gz"
     if not src.is_dir():
-        sh([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-            f"llama-cpp-python=={VERSION}", "-d", str(cache)])  # fmt: skip
-        with tarfile.open(cache / f"llama_cpp_python-{VERSION}.tar.gz") as tar:
+        if not sdist.is_file():  # pip builds the sdist's build tools from source first (slow): say so
+            print("(pip prepares the sdist's metadata with its build tools, built from source: minutes)")
+            sh([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                f"llama-cpp-python=={VERSION}", "-d", str(cache)])  # fmt: skip
+        with tarfile.open(sdist) as tar:
             tar.extractall(cache, filter="data")
     server = src / "build" / "bin" / "llama-server"
     if not server.is_file():

@@ -285,6 +285,9 @@ def _install(tmp: Path, dest: Path) -> None:
 def convert_gguf(src: GgufSource, dest: Path, source_info: dict | None = None) -> Path:
     """Dequantise a GGUF into a float32 safetensors checkpoint + tokenizer at `dest` (atomically)."""
     _check_gguf(src)
+    from flashdraft.models.gguf_blocks import check_blocks
+
+    check_blocks(src.path, src.fix or None)  # a damaged file: one line, before transformers reads it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, fname = str(src.path.parent), src.path.name
