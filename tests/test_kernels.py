@@ -1,6 +1,7 @@
 """Our CPU kernels (flashdraft/models/runner/kernels): every code path gives the reference's bits, a row's
 output does not depend on the rows beside it, the output is the exact sum within float32 rounding, a
-GGUF's blocks come back exactly, and a failed build falls back with one line."""
+GGUF's blocks come back exactly (K-quants and Q5_0 run as stored: their values equal the file's
+dequantization bitwise), and a failed build falls back with one line."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from flashdraft.models.runner import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels could not be built here")
-KINDS = ("q8_0", "q4_1")
+KINDS = ("q8_0", "q4_1", "q4_k", "q6_k")
 
 
 def runnable() -> list[str]:
@@ -29,11 +30,40 @@ def on_path():
 
 
 def weights(kind: str, n: int, k: int, seed: int = 0):
+    """(packed, scales) of random weights (N, K) of a kind: q8_0 / q4_1 quantized from floats (K padded
+    to whole blocks), K-quants as random parts (codes, fp16 d of rows of different scales, small integer
+    sub-scales: K must be whole super-blocks of 256)."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
-    w = torch.nn.functional.pad(w, (0, -k % kernels.BLOCK))
-    q, d, m = kernels.quantize(w, kind)
-    return (q, d, m), kernels.pack(q, d, m)
+    if kind in ("q8_0", "q4_1"):
+        w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
+        return kernels.pack(*kernels.quantize(torch.nn.functional.pad(w, (0, -k % kernels.BLOCK)), kind))
+    from flashdraft.models.gguf_blocks import Parts
+
+    def fp16(*shape):
+        return (torch.rand(*shape, generator=g) * torch.rand(n, 1, generator=g) * 0.01).half().float()
+
+    if kind == "q4_k":
+        q, sc, mk = (
+            torch.randint(0, hi, s, generator=g)
+            for hi, s in ((16, (n, k)), (64, (n, k // 32)), (64, (n, k // 32)))
+        )
+        parts = Parts(
+            "Q4_K", q.short(), fp16(n, k // 256), sc=sc.float(), dmin=fp16(n, k // 256), mk=mk.float()
+        )
+    else:
+        q, sc = (
+            torch.randint(-32, 32, (n, k), generator=g),
+            torch.randint(-128, 128, (n, k // 16), generator=g),
+        )
+        parts = Parts("Q6_K", q.short(), fp16(n, k // 256), sc=sc.float())
+    packed, scales, got = kernels.pack_parts(parts)
+    assert got == kind
+    return packed, scales
+
+
+def inputs(kind: str, k: int) -> int:
+    """K for a test of this kind: as asked, or whole super-blocks for the K-quants."""
+    return k if kind in ("q8_0", "q4_1") else -(-k // 256) * 256
 
 
 def activations(m: int, k: int, dtype, seed: int = 1) -> torch.Tensor:
@@ -51,9 +81,10 @@ def test_every_path_gives_the_references_bits(kind, dtype, path, on_path):
     group of 8), bf16 and float32 activations."""
     if path not in runnable():
         pytest.skip(f"this CPU does not run the {path} path")
-    _, (packed, scales) = weights(kind, 200, 570)
+    k = inputs(kind, 570)
+    packed, scales = weights(kind, 200, k)
     for m in (1, 3, 8, 9, 16, 20):
-        x = activations(m, 570, dtype, seed=m)
+        x = activations(m, k, dtype, seed=m)
         on_path("reference")
         want = kernels.qgemm(x, packed, scales, 200, kind)
         on_path(path)
@@ -66,8 +97,8 @@ def test_every_path_gives_the_references_bits(kind, dtype, path, on_path):
 def test_a_row_does_not_depend_on_its_batch(kind, dtype, on_path):
     """Each row of a 17-row product equals the same row alone and in other company, on every path
     (float32 outputs show every bit of the sums; bf16 ones round most differences away)."""
-    _, (packed, scales) = weights(kind, 96, 576)
-    x = activations(17, 576, dtype)
+    packed, scales = weights(kind, 96, inputs(kind, 576))
+    x = activations(17, inputs(kind, 576), dtype)
     for path in runnable():
         on_path(path)
         full = kernels.qgemm(x, packed, scales, 96, kind)
@@ -87,17 +118,19 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_output_is_the_exact_sum_within_float32_rounding(kind):
-    """Against float64: the dequantized weights times the quantized activations. Each output is a sum of
-    2 terms per block of 32 in float32, so its error is at most about 2 * blocks * 2^-24 of the sum of
-    the terms' magnitudes."""
-    (q, d, m), (packed, scales) = weights(kind, 64, 1536)
+def test_the_output_is_the_exact_sum_within_float32_rounding(kind, on_path):
+    """Against float64, on every path: the dequantized weights times the quantized activations. Each
+    output is a sum of 2 terms per block of 32 (Q6_K: per half block) in float32, so its error is at most
+    about 2 * terms * 2^-24 of the sum of the terms' magnitudes."""
+    packed, scales = weights(kind, 64, 1536)
     x = activations(5, 1536, torch.float32)
-    got = kernels.qgemm(x, packed, scales, 64, kind).double()
-    w, xq = kernels.dequantize(q, d, m).double(), quantized_rows(x).double()
+    w, xq = kernels.values(packed, scales, kind)[:64].double(), quantized_rows(x).double()
     want, size = xq @ w.T, xq.abs() @ w.abs().T
-    bound = 2 * (1536 // 32) * 2.0**-24 * size
-    assert ((got - want).abs() <= bound).all(), ((got - want).abs() / size).max().item()
+    bound = 2 * (1536 // 16) * 2.0**-24 * size
+    for path in runnable():
+        on_path(path)
+        got = kernels.qgemm(x, packed, scales, 64, kind).double()
+        assert ((got - want).abs() <= bound).all(), (path, ((got - want).abs() / size).max().item())
     # and the activations' quantization is what moves it from the float product (not the kernel)
     assert ((got - x.double() @ w.T).abs() > bound).any()
 
@@ -152,3 +185,20 @@ def test_argmax_gives_torchs_indices(path, on_path):
             x[4, 1:] = 50.0  # ties at once after the first slot
         for rows in (x, x[5:7], x[None]):
             assert torch.equal(kernels.argmax(rows), rows.float().argmax(-1)), (n, rows.shape)
+
+
+@pytest.mark.parametrize("kind", ("Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K"))
+def test_a_ggufs_blocks_run_as_stored(kind):
+    """Random valid GGUF blocks of each type that runs as stored (`kernels.STORED`): packed for our kernels,
+    the values they hold are bitwise the gguf package's dequantization of the file's bytes."""
+    from gguf import GGMLQuantizationType, quants
+    from test_gguf_blocks import _same_bits, random_blocks
+
+    from flashdraft.models.gguf_blocks import Blocks, parts
+
+    per_row = 2 if kind.endswith("_K") else 16  # blocks a row: 512 inputs
+    raw = random_blocks(kind, 40, per_row, seed=3)
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(40, 512).copy())
+    packed, scales, ours = kernels.pack_parts(parts(Blocks(kind, (40, 512), torch.from_numpy(raw))))
+    assert ours == kernels.STORED[kind]
+    assert _same_bits(kernels.values(packed, scales, ours)[:40], want)

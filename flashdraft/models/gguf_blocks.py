@@ -368,6 +368,51 @@ def hf_names(path: str | os.PathLike) -> dict[str, tuple[str, torch.Tensor | Non
 # -- dequantizing ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Parts:
+    """A quantized matrix taken apart, as ggml defines its values: integer codes `q` (out, in) and the
+    scales of each sub-block of `sub` inputs. Q8_0, Q5_0 (q - 16), Q4_1: w = d q (+ m), d and m per 32.
+    Q4_K, Q5_K: w = (d sc) q - (dmin mk), d and dmin per 256, sc and mk per 32. Q6_K: w = (d sc) q, d per
+    256, sc per 16. Our kernels run these parts as they are (kernels.pack_parts)."""
+
+    kind: str
+    q: torch.Tensor  # int16 (out, in)
+    d: torch.Tensor  # float32 (fp16 values): (out, in / 32), or (out, in / 256) for the K-quants
+    m: torch.Tensor | None = None  # Q4_1: (out, in / 32)
+    sc: torch.Tensor | None = None  # K-quants: float32 integers (out, in / sub)
+    dmin: torch.Tensor | None = None  # Q4_K, Q5_K: (out, in / 256)
+    mk: torch.Tensor | None = None  # Q4_K, Q5_K: (out, in / 32)
+
+    @property
+    def sub(self) -> int:
+        return 16 if self.kind == "Q6_K" else 32
+
+    def values(self) -> torch.Tensor:
+        """float32 (out, in): each product and difference rounded as ggml and the gguf package do."""
+        n, k = self.q.shape
+        q = self.q.float().reshape(n, -1, self.sub)
+        if self.sc is None:
+            w = self.d.unsqueeze(2) * q
+            return (w if self.m is None else w + self.m.unsqueeze(2)).reshape(n, k)
+        per = 256 // self.sub  # sub-blocks a super-block
+        scale = self.d.repeat_interleave(per, 1) * self.sc
+        w = scale.unsqueeze(2) * q
+        if self.dmin is not None:
+            w = w - (self.dmin.repeat_interleave(per, 1) * self.mk).unsqueeze(2)
+        return w.reshape(n, k)
+
+
+def parts(blocks: Blocks) -> Parts:
+    """`blocks` taken apart (`Parts`); ValueError for a type that has none here (floats, others)."""
+    out, cols = blocks.shape
+    if blocks.ggml_type not in LAYOUTS:
+        raise ValueError(f"no parts for ggml type {blocks.ggml_type} (there are for {', '.join(LAYOUTS)})")
+    b = blocks.data.reshape(-1, LAYOUTS[blocks.ggml_type].nbytes)
+    found = _PARTS[blocks.ggml_type](b)  # per block; each field reshaped to per output row below
+    fields = {k: v.reshape(out, -1) for k, v in found.items()}
+    return Parts(blocks.ggml_type, **fields)
+
+
 def dequantize(blocks: Blocks) -> torch.Tensor:
     """The float32 (out_features, in_features) values of `blocks`, bitwise those of
     `gguf.quants.dequantize` (each product and difference rounded to float32 in the same order)."""
@@ -375,14 +420,11 @@ def dequantize(blocks: Blocks) -> torch.Tensor:
     kind = blocks.ggml_type
     if kind in FLOATS:
         return blocks.data.reshape(-1).view(FLOATS[kind]).float().reshape(out, cols)
-    layout = LAYOUTS.get(kind)
-    if layout is None:
+    if kind not in LAYOUTS:
         raise ValueError(
             f"dequantize does not compute ggml type {kind} (it does {', '.join([*FLOATS, *LAYOUTS])})"
         )
-    b = blocks.data.reshape(-1, layout.nbytes)
-    values = _DEQUANTIZE[kind](b)
-    return values.reshape(out, cols)
+    return parts(blocks).values()
 
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -405,23 +447,17 @@ def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _q8_0(b):
-    d = _f16(b, 0)
-    q = b[:, 2:34].contiguous().view(torch.int8).float()
-    return q * d
+    return {"q": b[:, 2:34].contiguous().view(torch.int8).short(), "d": _f16(b, 0)}
 
 
 def _q4_1(b):
-    d, m = _f16(b, 0), _f16(b, 2)
-    q = _nibbles(b[:, 4:20], 16).float()  # values 0..15 of a block, then 16..31
-    return d * q + m
+    return {"q": _nibbles(b[:, 4:20], 16).short(), "d": _f16(b, 0), "m": _f16(b, 2)}  # 0..15, then 16..31
 
 
 def _q5_0(b):
-    d = _f16(b, 0)
     # qh: a little-endian uint32 whose bit j is value j's fifth bit; byte k holds values 8k..8k+7.
     high = _bits(b[:, 2:6], 8).transpose(1, 2).reshape(-1, 32)
-    q = (_nibbles(b[:, 6:22], 16) | (high << 4)).to(torch.int8) - 16
-    return d * q.float()
+    return {"q": (_nibbles(b[:, 6:22], 16) | (high << 4)).short() - 16, "d": _f16(b, 0)}
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -435,19 +471,17 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _q4_k(b):
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    scales, mins = _k_scales(b[:, 4:16])
-    q = _nibbles(b[:, 16:144], 32).reshape(-1, 8, 32).float()  # 8 sub-blocks of 32
-    return ((d * scales).unsqueeze(2) * q - (dmin * mins).unsqueeze(2)).reshape(-1, 256)
+    sc, mk = _k_scales(b[:, 4:16])
+    q = _nibbles(b[:, 16:144], 32).short()  # 8 sub-blocks of 32
+    return {"q": q, "d": _f16(b, 0), "sc": sc, "dmin": _f16(b, 2), "mk": mk}
 
 
 def _q5_k(b):
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    scales, mins = _k_scales(b[:, 4:16])
+    sc, mk = _k_scales(b[:, 4:16])
     low = _nibbles(b[:, 48:176], 32).reshape(-1, 8, 32)
     high = _bits(b[:, 16:48], 8)  # bit j of qh[l]: value l of sub-block j
-    q = (low | (high << 4)).float()
-    return ((d * scales).unsqueeze(2) * q - (dmin * mins).unsqueeze(2)).reshape(-1, 256)
+    q = (low | (high << 4)).short().reshape(-1, 256)
+    return {"q": q, "d": _f16(b, 0), "sc": sc, "dmin": _f16(b, 2), "mk": mk}
 
 
 def _q6_k(b):
@@ -457,10 +491,9 @@ def _q6_k(b):
     low = _nibbles(b[:, 0:128], 64).reshape(n, 2, 4, 32)
     qh = b[:, 128:192].reshape(n, 2, 1, 32)
     high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
-    scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    d = _f16(b, 208)
-    return ((d * scales).unsqueeze(2) * q).reshape(n, 256)
+    q = ((low | (high << 4)).short() - 32).reshape(n, 256)
+    sc = b[:, 192:208].contiguous().view(torch.int8).float()
+    return {"q": q, "d": _f16(b, 208), "sc": sc}
 
 
-_DEQUANTIZE = {"Q8_0": _q8_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_PARTS = {"Q8_0": _q8_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}

@@ -786,7 +786,7 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, c
   TORCH_CHECK(head.empty() || (head.size() == 3 && head_shape.size() == 3 && !ragged && normed &&
                                head_shape[2] >= 1 && head_shape[2] <= t && head[0].dim() == 3 &&
                                head[0].size(0) * 16 >= head_shape[0] && head[0].size(1) * 32 >= x.size(2) &&
-                               head[0].size(2) == (head_shape[1] == Q8_0 ? 512 : 256)),
+                               head[0].size(2) == code_bytes(head_shape[1])),
               "llama_forward: a head is (packed, scales, bias), its shape (outputs, kind, keep <= t), with the "
               "final norm and no lengths");
   const Linear hl{head.empty() ? at::Tensor() : head[0], head.empty() ? at::Tensor() : head[1],
@@ -906,7 +906,7 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, c
               "draft_forward: the hidden norm must be contiguous bf16 (hidden)");
   for (const Linear* l : {&fcl, &hl})
     TORCH_CHECK(!l->packed.defined() || (l->packed.dim() == 3 && l->packed.size(0) * 16 >= l->n &&
-                                         l->packed.size(2) == (l->kind == Q8_0 ? 512 : 256)),
+                                         l->packed.size(2) == code_bytes(l->kind)),
                 "draft_forward: fc or head packed weights do not match their outputs and kind");
   TORCH_CHECK(head.empty() || head[0].size(1) * 32 >= hidden, "draft_forward: the head's inputs must be the hidden size");
   TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "draft_forward: a cache a layer");
