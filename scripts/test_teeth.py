@@ -1803,6 +1803,20 @@ BUGS = [
         "tests/test_kernels.py::test_a_ggufs_blocks_run_as_stored",
     ),
     (
+        "gguf weights: the file's blocks ignored, q8_0 quantized from the float weights",
+        "flashdraft/models/runner/quant.py",
+        '        return BlockLinear.stored(list(stored), bias, dtype) or BlockLinear(weight, bias, dtype, "q8_0")',
+        '        return BlockLinear(weight, bias, dtype, "q8_0")',
+        "tests/test_runner.py::test_a_ggufs_k_quant_blocks_run_as_stored_and_exact",
+    ),
+    (
+        "gguf weights: a runner's linears given their neighbours' blocks",
+        "flashdraft/models/runner/quant.py",
+        "        return [self.by_id.get(id(lin.weight)) for lin in linears]",
+        "        return [self.by_id.get(id(lin.weight)) for lin in linears[::-1]]",
+        "tests/test_runner.py::test_a_ggufs_k_quant_blocks_run_as_stored_and_exact",
+    ),
+    (
         "kernels: the activations' sums of the minimum term taken unquantized",
         "flashdraft/models/runner/kernels/qgemm.cpp",
         "  a.s[i] = a.d[i] * static_cast<float>(a.sum[i]);",
@@ -1903,8 +1917,8 @@ BUGS = [
     (
         "default on a CPU without native bf16: dense float32 although our kernels run there",
         "flashdraft/models/compute.py",
-        '    if dtype in (None, "auto") and one_call and quantize in ("auto", *kernels.KINDS):',
-        '    if dtype in (None, "auto") and one_call and quantize in ("auto", *kernels.KINDS) and False:',
+        '    if dtype in (None, "auto") and one_call and quantize in ("auto", *OURS):',
+        '    if dtype in (None, "auto") and one_call and quantize in ("auto", *OURS) and False:',
         "tests/test_runner_default.py::test_on_any_cpu_our_kernels_run_the_default_in_bf16",
     ),
     (

@@ -713,3 +713,78 @@ def test_a_rope_table_gives_the_bits_rope_tables_gives():
         ):
             for got, want in zip(table(pos), rope_tables(pos, inv_freq, 1.25, dtype), strict=True):
                 assert got.dtype == want.dtype and torch.equal(got, want), (dtype, pos)
+
+
+def stored_model() -> tuple[Target, dict]:
+    """A random Llama whose matrices are GGUF blocks as a Q4_K_M file mixes them (q, k, v Q4_K; o and
+    down Q6_K; gate and up Q5_0; the tied head Q8_0), and the float32 model holding their values, as a
+    converted GGUF does. Inputs in whole super-blocks: hidden 512, 8 heads of 64 (2 kv), MLP 1024."""
+    import transformers as tf
+    from test_gguf_blocks import random_blocks
+
+    from flashdraft.models.gguf_blocks import Blocks, parts
+
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)  # fmt: skip
+    model = tf.LlamaForCausalLM(cfg).eval()
+    kinds = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "o_proj": "Q6_K", "down_proj": "Q6_K",
+             "gate_proj": "Q5_0", "up_proj": "Q5_0", "embed_tokens": "Q8_0"}  # fmt: skip
+    blocks = {}
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            kind = next((k for part, k in kinds.items() if f".{part}." in name), None)
+            if kind is None:
+                p.uniform_(0.5, 1.5)  # norms
+                continue
+            size = 256 if kind.endswith("_K") else 32
+            raw = random_blocks(kind, p.shape[0], p.shape[1] // size, seed=i)
+            # fp16 scales of every exponent would make sums of thousands: scale d (and dmin) down to 1e-3
+            b = parts(Blocks(kind, tuple(p.shape), torch.from_numpy(raw)))
+            small = {k: v for k, v in vars(b).items() if k in ("d", "dmin", "m") and v is not None}
+            b = type(b)(
+                **{
+                    **vars(b),
+                    **{k: (v.sign() * 1e-3 * torch.rand_like(v)).half().float() for k, v in small.items()},
+                }
+            )
+            blocks[name] = b
+            p.copy_(b.values())
+    return Target(model), blocks
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@torch.inference_mode()
+def test_a_ggufs_k_quant_blocks_run_as_stored_and_exact():
+    """ "gguf" weights: each linear runs the file's blocks as stored (q4_k, q6_k, and Q5_0 as q8_0), holding
+    the very values of the float checkpoint; the layers' C++ call gives the same bits on every path; a
+    verify row equals one-token steps; DFlash equals plain decoding."""
+    from test_kernels import runnable
+
+    ref, blocks = stored_model()
+    run = RunnerTarget.from_target(ref, Quantization("gguf", "gguf"), torch.bfloat16, blocks)
+    assert run.runner.handle is not None and run.exact
+    layer, w = run.runner.layers[1], dict(ref.model.named_parameters())
+    want = {"qkv": "q4_k", "o": "q6_k", "gate_up": "q8_0", "down": "q6_k"}
+    for name, kind in want.items():
+        linear = getattr(layer, name)
+        assert linear.kind == kind, name
+    assert run.runner.head.kind == "q8_0"
+    pre = "model.layers.1."
+    qkv = torch.cat([w[pre + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(kernels.values(layer.qkv.packed, layer.qkv.scales, "q4_k")[: qkv.shape[0]], qkv)
+    down = w[pre + "mlp.down_proj.weight"]
+    assert torch.equal(kernels.values(layer.down.packed, layer.down.scales, "q6_k")[: down.shape[0]], down)
+    g = torch.Generator().manual_seed(0)
+    ids, pos = torch.randint(0, 256, (3, 40), generator=g), torch.arange(40).expand(3, -1)
+    outs = []
+    try:
+        for path in runnable():
+            kernels.force(path)
+            outs.append(run.forward(ids, pos, run.new_cache(), features=[0, 1]))
+    finally:
+        kernels.force("auto")
+    for path, (logits, feats) in zip(runnable(), outs, strict=True):
+        assert torch.equal(logits, outs[0][0]) and torch.equal(feats, outs[0][1]), path
+    check_verify_rows_equal_one_token_steps(run, "gguf")
+    prompts, configs = dflash_cases(run, 12, 4)
+    check_dflash_equals_plain(run, make_draft(ref.model, dtype=torch.bfloat16), run, prompts, configs, "gguf")

@@ -28,6 +28,7 @@ from flashdraft.models.runner import QUANTIZE, Quantization, kernels, llama
 from flashdraft.models.target import TargetError
 
 ONE_CALL = frozenset(llama.FAMILIES)  # families whose layers our kernels run in one C++ call (layers.cpp)
+OURS = (*kernels.KINDS, "gguf")  # the weights our kernels run
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,11 @@ class Compute:
 def _check_quantize(quantize: str, cpu: bool) -> None:
     if quantize != "auto" and quantize not in QUANTIZE:
         raise TargetError(f"quantize must be auto or one of {', '.join(QUANTIZE)}, got {quantize!r}")
-    if quantize in kernels.KINDS and not cpu:
+    if quantize in OURS and not cpu:
         raise TargetError(
             f"--quantize {quantize} runs on our CPU kernels: use --device cpu, or --quantize int8"
         )
-    if quantize in kernels.KINDS and not kernels.available():
+    if quantize in OURS and not kernels.available():
         raise TargetError(
             f"--quantize {quantize} needs flashdraft's CPU kernels, which could not be built "
             "here (see the line above): install a C++ compiler (g++), or use --quantize int8"
@@ -76,7 +77,7 @@ def choose(
         return Compute("transformers", act, None, "torch")
     _check_quantize(quantize, cpu)
     one_call = cpu and family in ONE_CALL and kernels.available()
-    if dtype in (None, "auto") and one_call and quantize in ("auto", *kernels.KINDS):
+    if dtype in (None, "auto") and one_call and quantize in ("auto", *OURS):
         act = torch.bfloat16  # our kernels and C++ layers: bf16 at full speed on any CPU they run on
     else:
         act = target.resolve_dtype(dtype, device)  # as asked; auto: bf16 where torch's bf16 is native

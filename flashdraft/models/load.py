@@ -37,7 +37,10 @@ from flashdraft.models.target import DTYPES, Target, TargetError
 log = logging.getLogger("flashdraft")
 
 MANIFEST_NAME = "flashdraft-manifest.json"
-CACHE_FORMAT = 2  # bump when the converted layout changes: older caches are then reconverted
+CACHE_FORMAT = 3  # bump when the converted layout changes: older caches are then reconverted
+BLOCKS_FILE = (
+    "gguf-blocks.safetensors"  # a converted GGUF's blocks as stored, where they run so (`stored_blocks`)
+)
 # (2: the manifest records the GGUF's weight types, which `--quantize auto` follows)
 
 
@@ -315,8 +318,11 @@ def convert_gguf(src: GgufSource, dest: Path, source_info: dict | None = None) -
         tokenizer.save_pretrained(tmp)
         for f in tmp.iterdir():
             usual_mode(f)  # transformers writes its weights 0600; the cache may be shared
+        types = gguf_weight_types(src.path)
+        if gguf_quantization(types).layers == "gguf":
+            save_blocks(src.path, tmp / BLOCKS_FILE)
         source = {"gguf": src.path.name, "gguf_sha256": src.sha256, **(source_info or {})}
-        write_manifest(tmp, source, gguf_weight_types(src.path))
+        write_manifest(tmp, source, types)
         _install(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -333,21 +339,58 @@ def gguf_weight_types(path: Path) -> dict:
     return {"layers": layers, "head": matrices.get("output.weight", matrices.get("token_embd.weight"))}
 
 
-# GGUF types that our kernels run as they are stored (recovered exactly from the converted
-# checkpoint's float32 values, tests/test_kernels.py). Every other type runs as Q8_0, which holds about
-# their bits in each block of 32 but not their exact values: Q4_0 (its grid need not span 0..15, so
-# its blocks cannot be recovered from their values), Q4_K (6-bit sub-scales), Q5_*, Q6_K, floats.
+# GGUF types whose blocks come back exactly from the converted checkpoint's float32 values (their d
+# and m are fp16: tests/test_kernels.py), so q4_1 / q8_0 weights quantized from those values are the
+# file's own. Our kernels run the other types of `kernels.STORED` (Q5_0, Q4_K, Q6_K) from the file's
+# blocks (`BLOCKS_FILE`): "gguf" weights. Others run as Q8_0, about their bits but not their values:
+# Q4_0 (its grid need not span 0..15), Q5_1, Q5_K, floats.
 Q4_TYPES = frozenset({"Q4_1"})
+STORED_TYPES = frozenset({"Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K"})  # kernels.STORED's keys
 
 
 def gguf_quantization(types: dict) -> Quantization:
     """The runner's weights that keep a GGUF's own: q4_1 where all its layer matrices are Q4_1
-    (`Q4_TYPES`), q8_0 otherwise; the head likewise on its own (files often keep it at 8 bits)."""
+    (`Q4_TYPES`), "gguf" (the file's blocks as stored) where they are all of types our kernels run as
+    stored and one is not Q4_1 or Q8_0, q8_0 otherwise; the head likewise on its own (files often keep
+    it at 8 bits)."""
 
     def of(kinds: list[str]) -> str:
-        return "q4_1" if kinds and set(kinds) <= Q4_TYPES else "q8_0"
+        if kinds and set(kinds) <= Q4_TYPES:
+            return "q4_1"
+        return "gguf" if kinds and set(kinds) <= STORED_TYPES and set(kinds) - {"Q4_1", "Q8_0"} else "q8_0"
 
     return Quantization(of(types.get("layers") or []), of([types["head"]] if types.get("head") else []))
+
+
+def save_blocks(gguf: Path, out: Path) -> None:
+    """The GGUF's matrices of types our kernels run as stored, as its bytes (`gguf_blocks.read_blocks`:
+    transformers' names, rows in its order), in a safetensors file whose metadata holds each one's type."""
+    from safetensors.torch import save_file
+
+    from flashdraft.models.gguf_blocks import read_blocks
+
+    blocks = {n: b for n, b in read_blocks(gguf).items() if b.ggml_type in STORED_TYPES}
+    meta = {n: f"{b.ggml_type} {b.shape[0]} {b.shape[1]}" for n, b in blocks.items()}
+    save_file({n: b.data.contiguous() for n, b in blocks.items()}, str(out), metadata=meta)
+
+
+def stored_blocks(directory: str | os.PathLike) -> dict | None:
+    """The `gguf_blocks.Parts` of a converted GGUF's matrices (`save_blocks`) by name; None where the
+    checkpoint has none."""
+    from safetensors import safe_open
+
+    from flashdraft.models.gguf_blocks import Blocks, parts
+
+    path = Path(directory) / BLOCKS_FILE
+    if not path.is_file():
+        return None
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        found = {}
+        for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+            kind, out, cols = meta[name].split()
+            found[name] = parts(Blocks(kind, (int(out), int(cols)), f.get_tensor(name)))
+    return found
 
 
 def native_quantization(directory: str | os.PathLike) -> Quantization | None:
@@ -557,6 +600,15 @@ def load_target(
         return target if target.dtype == act else Target(target.model.to(act), target.tokenizer)
     stored = native_quantization(target.model.config.name_or_path)  # a GGUF's own types (see above)
     compute = choose(device, dtype, quantize, "native", target.config.model_type, stored)
-    run = RunnerTarget.from_target(target, compute.quantization, compute.dtype)
+    folder = target.model.config.name_or_path
+    blocks = (
+        stored_blocks(folder) if "gguf" in (compute.quantization.layers, compute.quantization.head) else None
+    )
+    if quantize == "gguf" and blocks is None:
+        raise TargetError(
+            f"--quantize gguf runs a GGUF's blocks as stored: {spec} is no GGUF target with blocks our "
+            "kernels run (Q5_0, Q4_K, Q6_K); use --quantize auto"
+        )
+    run = RunnerTarget.from_target(target, compute.quantization, compute.dtype, blocks)
     target.model.to(compute.dtype)  # the transformers model (bench's peers, export) in the runner's dtype too
     return run

@@ -23,7 +23,7 @@ from flashdraft.models import masks
 from flashdraft.models.ops import rope_tables, rotate
 from flashdraft.models.runner import llama
 from flashdraft.models.runner.cache import KVCache
-from flashdraft.models.runner.quant import Quantization, make_linear
+from flashdraft.models.runner.quant import NO_BLOCKS, Quantization, StoredBlocks, make_linear
 from flashdraft.models.target import TargetError
 
 FAMILIES = ("gemma3_text",)
@@ -42,19 +42,18 @@ def norm_scale(norm: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Layer(nn.Module):
-    def __init__(self, hf_layer: nn.Module, cfg, quantize: str, dtype: torch.dtype):
-        """`quantize`: how the layer's linears are stored (see `quant.make_linear`)."""
+    def __init__(self, hf_layer: nn.Module, cfg, quantize: str, dtype: torch.dtype, stored: StoredBlocks):
+        """`quantize`: how the layer's linears are stored (see `quant.make_linear`; `stored`: a GGUF's blocks)."""
         super().__init__()
         att, mlp = hf_layer.self_attn, hf_layer.mlp
         self.heads, self.kv_heads, self.head_dim = llama.Runner.layout(cfg)
         projs = (att.q_proj, att.k_proj, att.v_proj)
         bias = None if att.q_proj.bias is None else torch.cat([p.bias for p in projs])
-        self.qkv = make_linear(torch.cat([p.weight for p in projs]), bias, quantize, dtype)
-        self.o = make_linear(att.o_proj.weight, att.o_proj.bias, quantize, dtype)
-        self.gate_up = make_linear(
-            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantize, dtype
-        )
-        self.down = make_linear(mlp.down_proj.weight, None, quantize, dtype)
+        self.qkv = make_linear(torch.cat([p.weight for p in projs]), bias, quantize, dtype, stored.of(*projs))
+        self.o = make_linear(att.o_proj.weight, att.o_proj.bias, quantize, dtype, stored.of(att.o_proj))
+        gu = (mlp.gate_proj, mlp.up_proj)
+        self.gate_up = make_linear(torch.cat([p.weight for p in gu]), None, quantize, dtype, stored.of(*gu))
+        self.down = make_linear(mlp.down_proj.weight, None, quantize, dtype, stored.of(mlp.down_proj))
         self.q_norm, self.k_norm = norm_scale(att.q_norm, dtype), norm_scale(att.k_norm, dtype)
         self.pre_attn = norm_scale(hf_layer.input_layernorm, dtype)
         self.post_attn = norm_scale(hf_layer.post_attention_layernorm, dtype)
@@ -100,18 +99,24 @@ class Runner(nn.Module):
             if rope not in llama.ROPE_TYPES:
                 refuse(f"{rope!r} RoPE")
 
-    def __init__(self, hf_model: nn.Module, quantize: Quantization, dtype: torch.dtype):
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        quantize: Quantization,
+        dtype: torch.dtype,
+        stored: StoredBlocks = NO_BLOCKS,
+    ):
         super().__init__()
         cfg = hf_model.config.get_text_config()  # a multimodal Gemma 3's text part runs here too
         decoder = hf_model.get_decoder()
         self.embed = decoder.embed_tokens.weight.detach().to(dtype)  # raw rows: `RunnerTarget.embed`
         self.embed_scale = decoder.embed_tokens.embed_scale.detach().to(dtype)
         self.kinds = cfg.layer_types[: cfg.num_hidden_layers]
-        self.layers = nn.ModuleList(Layer(lay, cfg, quantize.layers, dtype) for lay in decoder.layers)
+        self.layers = nn.ModuleList(Layer(lay, cfg, quantize.layers, dtype, stored) for lay in decoder.layers)
         self.norm = norm_scale(decoder.norm, dtype)
         self.eps = cfg.rms_norm_eps
         head = hf_model.get_output_embeddings()
-        self.head = make_linear(head.weight, head.bias, quantize.head, dtype)
+        self.head = make_linear(head.weight, head.bias, quantize.head, dtype, stored.of(head))
         rotary = decoder.rotary_emb
         self.ropes = {  # layer kind -> (inv_freq, attention scaling): the local and the global table
             kind: (

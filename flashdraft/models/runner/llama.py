@@ -31,7 +31,7 @@ from flashdraft.models import masks
 from flashdraft.models.ops import RopeTable, rms_norm, rotate
 from flashdraft.models.runner import kernels
 from flashdraft.models.runner.cache import KVCache
-from flashdraft.models.runner.quant import BlockLinear, Quantization, make_linear
+from flashdraft.models.runner.quant import NO_BLOCKS, BlockLinear, Quantization, StoredBlocks, make_linear
 from flashdraft.models.target import TargetError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -69,20 +69,23 @@ def attend(
 
 
 class Layer(nn.Module):
-    def __init__(self, hf_layer: nn.Module, cfg, quantize: str, dtype: torch.dtype):
-        """`quantize`: how the layer's linears are stored (see `quant.make_linear`)."""
+    def __init__(self, hf_layer: nn.Module, cfg, quantize: str, dtype: torch.dtype, stored: StoredBlocks):
+        """`quantize`: how the layer's linears are stored (see `quant.make_linear`; `stored`: a GGUF's blocks)."""
         super().__init__()
         att, mlp = hf_layer.self_attn, hf_layer.mlp
         self.heads, self.kv_heads, self.head_dim = Runner.layout(cfg)
         projs = (att.q_proj, att.k_proj, att.v_proj)
         bias = None if att.q_proj.bias is None else torch.cat([p.bias for p in projs])
-        self.qkv = make_linear(torch.cat([p.weight for p in projs]), bias, quantize, dtype)
-        self.o = make_linear(att.o_proj.weight, att.o_proj.bias, quantize, dtype)
+        self.qkv = make_linear(torch.cat([p.weight for p in projs]), bias, quantize, dtype, stored.of(*projs))
+        self.o = make_linear(att.o_proj.weight, att.o_proj.bias, quantize, dtype, stored.of(att.o_proj))
+        gu = (mlp.gate_proj, mlp.up_proj)
         gu_bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
         self.gate_up = make_linear(
-            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gu_bias, quantize, dtype
+            torch.cat([p.weight for p in gu]), gu_bias, quantize, dtype, stored.of(*gu)
         )
-        self.down = make_linear(mlp.down_proj.weight, mlp.down_proj.bias, quantize, dtype)
+        self.down = make_linear(
+            mlp.down_proj.weight, mlp.down_proj.bias, quantize, dtype, stored.of(mlp.down_proj)
+        )
         self.norm1 = hf_layer.input_layernorm.weight.detach().to(dtype)
         self.norm2 = hf_layer.post_attention_layernorm.weight.detach().to(dtype)
         qn = getattr(att, "q_norm", None)  # Qwen3: RMSNorm of every head's q and k before RoPE
@@ -126,16 +129,22 @@ class Runner(nn.Module):
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise TargetError(f"the native runner has no {cfg.hidden_act!r} MLP: use --runner transformers")
 
-    def __init__(self, hf_model: nn.Module, quantize: Quantization, dtype: torch.dtype):
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        quantize: Quantization,
+        dtype: torch.dtype,
+        stored: StoredBlocks = NO_BLOCKS,
+    ):
         super().__init__()
         cfg = hf_model.config
         decoder = hf_model.get_decoder()
         self.embed = decoder.embed_tokens.weight.detach().to(dtype)
-        self.layers = nn.ModuleList(Layer(lay, cfg, quantize.layers, dtype) for lay in decoder.layers)
+        self.layers = nn.ModuleList(Layer(lay, cfg, quantize.layers, dtype, stored) for lay in decoder.layers)
         self.norm = decoder.norm.weight.detach().to(dtype)
         self.eps = cfg.rms_norm_eps
         head = hf_model.get_output_embeddings()
-        self.head = make_linear(head.weight, head.bias, quantize.head, dtype)
+        self.head = make_linear(head.weight, head.bias, quantize.head, dtype, stored.of(head))
         rotary = decoder.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().float()
         self.rope_scale = float(rotary.attention_scaling)

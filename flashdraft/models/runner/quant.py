@@ -26,7 +26,7 @@ from torch import nn
 
 from flashdraft.models.runner import kernels
 
-QUANTIZE = ("none", "int8", "int4", "q8_0", "q4_1")
+QUANTIZE = ("none", "int8", "int4", "q8_0", "q4_1", "gguf")
 GROUP = 32  # int4 group size along the input dimension (GGUF's Q4_0 / Q4_1 blocks are 32 too)
 
 
@@ -52,13 +52,17 @@ class Quantization:
     @property
     def ours(self) -> bool:
         """Whether our kernels run some of these weights (GGUF's blocks: q8_0, q4_1)."""
-        return self.layers in kernels.KINDS or self.head in kernels.KINDS
+        return any(k in kernels.KINDS or k == "gguf" for k in (self.layers, self.head))
 
     @property
     def quantized(self) -> bool:
         return self.layers != "none" and self.head != "none"
 
     def __str__(self) -> str:
+        if "gguf" in (self.layers, self.head):
+            ours = "the GGUF's blocks as stored" if self.layers == "gguf" else f"{self.layers} layers"
+            head = "" if self.head == self.layers else f" + {self.head} head"
+            return ours + head
         if self.layers == self.head:
             return "dense" if self.layers == "none" else self.layers
         return f"{self.layers} layers + {self.head} head"
@@ -180,18 +184,63 @@ class BlockLinear(_Quantized):
             at += n
         return fused
 
+    @classmethod
+    def stored(cls, parts: list, bias: torch.Tensor | None, dtype: torch.dtype) -> BlockLinear | None:
+        """The GGUF blocks `parts` (`gguf_blocks.Parts`, one a part of the layer's outputs, side by side) as
+        they are stored, or None where our kernels cannot run them so: a part without blocks, types our
+        kernels do not run (`kernels.STORED`), or parts of different kinds (one kernel call runs one)."""
+        if not parts or any(p is None or p.kind not in kernels.STORED for p in parts):
+            return None
+        if len({kernels.STORED[p.kind] for p in parts}) > 1 or any(
+            p.q.shape[0] % kernels.TILE for p in parts[:-1]
+        ):
+            return None
+        layers = []
+        for p in parts:
+            layer = cls.__new__(cls)
+            _Quantized.__init__(layer, p.q.shape[0], None, dtype)
+            packed, scales, layer.kind = kernels.pack_parts(p)
+            layer.in_features, layer.dtype = p.q.shape[1], dtype
+            layer.register_buffer("packed", packed)
+            layer.register_buffer("scales", scales)
+            layers.append(layer)
+        fused = layers[0] if len(layers) == 1 else cls.side_by_side(*layers)
+        if bias is not None:
+            fused.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        return fused
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.qgemm(x, self.packed, self.scales, self.out_features, self.kind)
 
     def dequantize(self) -> torch.Tensor:
-        w = kernels.dequantize(*kernels.unpack(self.packed, self.scales, self.kind))
+        w = kernels.values(self.packed, self.scales, self.kind)
         return w[: self.out_features, : self.in_features].to(self.dtype)
 
 
+class StoredBlocks:
+    """A GGUF's blocks by the weights they are (`of`), for `make_linear`'s "gguf": the runners build their
+    linears from a transformers model, whose parameters are named as `gguf_blocks.read_blocks` names
+    the file's matrices (a tied head is its embedding)."""
+
+    def __init__(self, model: nn.Module | None = None, blocks: dict | None = None):
+        self.by_id = {id(p): blocks.get(n) for n, p in model.named_parameters()} if blocks else {}
+
+    def of(self, *linears: nn.Module) -> list:
+        """Each linear's `gguf_blocks.Parts`, or None where the file has none."""
+        return [self.by_id.get(id(lin.weight)) for lin in linears]
+
+
+NO_BLOCKS = StoredBlocks()  # a checkpoint without GGUF blocks
+
+
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, quantize: str, dtype: torch.dtype
+    weight: torch.Tensor, bias: torch.Tensor | None, quantize: str, dtype: torch.dtype, stored: list = ()
 ) -> nn.Module:
-    """A linear layer of these weights (out, in), in `dtype` activations, stored as `quantize` says."""
+    """A linear layer of these weights (out, in), in `dtype` activations, stored as `quantize` says; "gguf":
+    the GGUF's blocks `stored` (the parts of `weight`, side by side) as they are where our kernels run them
+    so (`BlockLinear.stored`), q8_0 from `weight` otherwise."""
+    if quantize == "gguf":
+        return BlockLinear.stored(list(stored), bias, dtype) or BlockLinear(weight, bias, dtype, "q8_0")
     if quantize == "none":
         return Linear(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype))
     if quantize == "int8":

@@ -16,7 +16,7 @@ from torch import nn
 
 from flashdraft.models.runner import gemma, kernels, llama
 from flashdraft.models.runner.cache import KVCache
-from flashdraft.models.runner.quant import Quantization
+from flashdraft.models.runner.quant import Quantization, StoredBlocks
 from flashdraft.models.target import Target, TargetError
 
 # model_type -> the model code that computes it
@@ -40,7 +40,11 @@ class RunnerTarget:
     `from_target`."""
 
     def __init__(
-        self, target: Target, quantize: str | Quantization = "none", dtype: torch.dtype | None = None
+        self,
+        target: Target,
+        quantize: str | Quantization = "none",
+        dtype: torch.dtype | None = None,
+        blocks: dict | None = None,
     ):
         cfg = target.config
         why = supports(cfg)
@@ -65,19 +69,25 @@ class RunnerTarget:
             target.head_layout,
         )
         self.vocab_size, self.max_length = target.vocab_size, target.max_length
-        self.runner = FAMILIES[cfg.model_type](target.model, plan, dtype).to(target.device)
+        stored = StoredBlocks(target.model, blocks)  # a GGUF's blocks, for "gguf" weights
+        self.runner = FAMILIES[cfg.model_type](target.model, plan, dtype, stored).to(target.device)
         self.embedding = nn.Embedding.from_pretrained(self.runner.embed, freeze=True)
         self.lm_head = self.runner.head  # a draft proposes through it (a quantized head is faster)
         self.model = target.model  # generation_config and export still read it
 
     @classmethod
     def from_target(
-        cls, target: Target, quantize: str | Quantization = "none", dtype: torch.dtype | None = None
+        cls,
+        target: Target,
+        quantize: str | Quantization = "none",
+        dtype: torch.dtype | None = None,
+        blocks: dict | None = None,
     ) -> RunnerTarget:
         """The native runner for a loaded transformers target (HF directory or converted GGUF), with
-        `quantize` weights ("none", "int8": per output channel, "int4": groups of 32, or a
-        `Quantization` for layers and head apart) and activations in `dtype` (default: the target's)."""
-        return cls(target, quantize, dtype)
+        `quantize` weights ("none", "int8": per output channel, "int4": groups of 32, "gguf": the GGUF's
+        `blocks` (`load.stored_blocks`) as stored, or a `Quantization` for layers and head apart) and
+        activations in `dtype` (default: the target's)."""
+        return cls(target, quantize, dtype, blocks)
 
     dtype = property(lambda self: self.runner.embed.dtype)
     device = property(lambda self: self.runner.embed.device)

@@ -169,9 +169,10 @@ def available() -> bool:
             torch.ops.load_library(str(_build(cache_root() / "kernels")))
             _state["ok"] = True
         except (OSError, RuntimeError, FileNotFoundError) as e:
+            fix = "" if _sanitize() else " (a C++ compiler, g++ or $CXX, gives the faster default)"
             log.warning(
                 f"flashdraft's CPU kernels are not available ({e or type(e).__name__}): torch's int8 kernel "
-                "runs instead (a C++ compiler, g++ or $CXX, gives the faster default)"
+                f"runs instead{fix}"
             )
             _state["ok"] = False
     return _state["ok"]
