@@ -304,10 +304,10 @@ def test_gemma_gguf_assembles_and_is_gemma3(tmp_path):
     assert src.sha256 and _sha(src.path) == src.sha256
     header = _gguf_header(src.path, {"general.architecture", "gemma3.block_count"})
     assert header == {"general.architecture": "gemma3", "gemma3.block_count": 18}
-    # Q4_K_M keeps most of its layer matrices at 5 to 8 bits: q4_1 would drop bits it has.
+    # Q4_K_M keeps most of its layer matrices at 5 to 8 bits: they run as stored ("gguf").
     types = models.gguf_weight_types(src.path)
     assert types == {"layers": ["Q4_K", "Q5_0", "Q6_K", "Q8_0"], "head": "Q8_0"}
-    assert models.gguf_quantization(types) == Quantization("q8_0", "q8_0")
+    assert models.gguf_quantization(types) == Quantization("gguf", "q8_0")
 
 
 def test_smollm2s_q4_1_layers_and_q8_0_head_are_the_ggufs_own_values(smollm2):
@@ -318,7 +318,7 @@ def test_smollm2s_q4_1_layers_and_q8_0_head_are_the_ggufs_own_values(smollm2):
     if smollm2.dtype != torch.bfloat16 or not kernels.available():
         pytest.skip("the default is dense on CPUs without native bf16, torch's int8 without a compiler")
     saved = {}
-    for f in models.cache_dir(SMOL).glob("*.safetensors"):
+    for f in models.cache_dir(SMOL).glob("model*.safetensors"):
         saved.update(load_file(f))
     layer, pre = smollm2.runner.layers[7], "model.layers.7."
     want = {
@@ -338,8 +338,10 @@ def test_smollm2s_q4_1_layers_and_q8_0_head_are_the_ggufs_own_values(smollm2):
         ({"layers": ["Q4_1"], "head": "Q8_0"}, ("q4_1", "q8_0")),  # the built-in SmolLM2
         ({"layers": ["Q4_1"], "head": "Q4_1"}, ("q4_1", "q4_1")),
         ({"layers": ["Q4_0", "Q4_1"], "head": "Q4_0"}, ("q8_0", "q8_0")),  # Q4_0: not recoverable
-        ({"layers": ["Q4_0", "Q4_K"], "head": "Q4_K"}, ("q8_0", "q8_0")),  # Q4_K's sub-scales: q8_0
-        ({"layers": ["Q4_K", "Q6_K"], "head": "Q6_K"}, ("q8_0", "q8_0")),
+        ({"layers": ["Q4_0", "Q4_K"], "head": "Q4_K"}, ("q8_0", "gguf")),  # K-quants as stored
+        ({"layers": ["Q4_K", "Q6_K"], "head": "Q6_K"}, ("gguf", "gguf")),
+        ({"layers": ["Q5_0", "Q8_0"], "head": "Q8_0"}, ("gguf", "q8_0")),  # Q5_0 as Q8_0, exact
+        ({"layers": ["Q5_K", "Q6_K"], "head": "Q8_0"}, ("q8_0", "q8_0")),  # Q5_K: not run as stored
         ({"layers": ["BF16"], "head": "F16"}, ("q8_0", "q8_0")),
         ({"layers": [], "head": None}, ("q8_0", "q8_0")),  # nothing known: the HF default
     ],
@@ -401,3 +403,32 @@ def test_smollm2s_batched_dflash_equals_plain_decoding(smollm2):
         outs.append(out)
     assert outs[0] == outs[1]
     assert outs[0] == outs[2]
+
+
+@torch.inference_mode()
+def test_gemmas_q4_k_m_file_runs_its_blocks_as_stored():
+    """The built-in Gemma-3-270M by default: its layers' Q4_K, Q6_K, Q5_0 and Q8_0 blocks as the file
+    stores them (Q5_0 as Q8_0), each linear's values bitwise the converted checkpoint's."""
+    from safetensors.torch import load_file
+
+    gemma = load_target("gemma3-270m")
+    if gemma.dtype != torch.bfloat16 or not kernels.available():
+        pytest.skip("Gemma 3's layers run as torch ops: dense float32 on CPUs without native bf16")
+    assert gemma.quantization == Quantization("gguf", "q8_0")
+    assert "the GGUF's blocks as stored + q8_0 head" in gemma.describe()
+    saved = {}
+    for f in models.cache_dir("gemma3-270m").glob("model*.safetensors"):
+        saved.update(load_file(f))
+    kinds = set()
+    for i, layer in enumerate(gemma.runner.layers):
+        pre = f"model.layers.{i}."
+        want = {
+            layer.qkv: torch.cat([saved[pre + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+            layer.o: saved[pre + "self_attn.o_proj.weight"],
+            layer.down: saved[pre + "mlp.down_proj.weight"],
+        }
+        for linear, w in want.items():
+            got = kernels.values(linear.packed, linear.scales, linear.kind)[: w.shape[0]]
+            assert torch.equal(got.view(torch.int32), w.view(torch.int32)), (i, linear.kind)
+            kinds.add(linear.kind)
+    assert kinds == {"q8_0", "q4_k", "q6_k"}

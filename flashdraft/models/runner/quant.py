@@ -191,6 +191,8 @@ class BlockLinear(_Quantized):
         kernels do not run (`kernels.STORED`), or parts of different kinds (one kernel call runs one)."""
         if not parts or any(p is None or p.kind not in kernels.STORED for p in parts):
             return None
+        if any(p.kind.endswith("_K") and p.q.shape[1] % (kernels.SUPER * kernels.BLOCK) for p in parts):
+            return None  # (GGUF writers keep K-quants to whole super-blocks)
         if len({kernels.STORED[p.kind] for p in parts}) > 1 or any(
             p.q.shape[0] % kernels.TILE for p in parts[:-1]
         ):
