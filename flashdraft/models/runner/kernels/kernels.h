@@ -98,13 +98,25 @@ inline __attribute__((target("avx2,fma"))) __m256i bf16_bits(__m256 v) {
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
 }
 
+// What the tiles of every quant family share (q4.cpp, q8.cpp).
+typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;  // 4 activation bytes read at once
+#define FD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+// A kind's tiles of 1..ROWS rows, for a dispatch table.
+#define FD_ROWS(FN, KIND) \
+  { FN<1, KIND>, FN<2, KIND>, FN<3, KIND>, FN<4, KIND>, FN<5, KIND>, FN<6, KIND>, FN<7, KIND>, FN<8, KIND> }
+
+// The 4 activation bytes of row r's group j (x: row 0's block, rows `stride` apart) in every 32-bit lane.
+inline __attribute__((target("avx2,fma"))) __m256i xgroup(const int8_t* x, int64_t r, int64_t stride, int j) {
+  return _mm256_set1_epi32(*reinterpret_cast<const unaligned_i32*>(x + r * stride + 4 * j));
+}
+
 // 8 fp16 values (bits) as floats (exact).
 inline __attribute__((target("avx2,fma,f16c"))) __m256 fp16x8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // 16 fp16 values (bits) as floats (exact).
-inline __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) __m512 fp16x16(const uint16_t* p) {
+inline FD_AVX512 __m512 fp16x16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
@@ -116,7 +128,7 @@ inline __attribute__((target("avx2,fma,f16c"))) __m256 bytes8(const uint8_t* p) 
 }
 
 template <bool SIGNED>
-inline __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) __m512 bytes16(const uint8_t* p) {
+inline FD_AVX512 __m512 bytes16(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 }

@@ -21,8 +21,6 @@
 
 namespace {
 
-typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;  // 4 activation bytes read at once
-
 // Block g's scales for column c: D (the products') and m (the minimum term's), as floats.
 void scales_reference(int kind, const uint16_t* sc, int64_t blocks, int64_t g, int c, float& d, float& m) {
   if (kind == Q4_1) {
@@ -66,10 +64,6 @@ void tile_reference(const uint8_t* w, const uint16_t* sc, const Acts& a, int64_t
 // rows' sums stay in registers (16 ymm registers: a tile's 8 weight vectors beside 8 rows' sums
 // spilled). The products (|q x| <= 15 * 127) are summed in 16 bits over the whole block (8 pairs: at
 // most 30480, no saturation) and widened once per block.
-
-__attribute__((target("avx2,fma"))) inline __m256i xgroup(const int8_t* x, int64_t r, int64_t stride, int j) {
-  return _mm256_set1_epi32(*reinterpret_cast<const unaligned_i32*>(x + r * stride + 4 * j));
-}
 
 // `scales_reference` for columns 8h..8h + 7.
 template <int KIND>
@@ -121,8 +115,6 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const uint8_t* w, const 
 
 // ---- AVX-512 VNNI: 16 columns at a time, 64 byte products per instruction -----------------------
 
-#define FD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
-
 template <int KIND>
 FD_AVX512 inline void scales16(const uint16_t* sc, int64_t blocks, int64_t g, __m512& d, __m512& m) {
   if (KIND == Q4_1) {
@@ -169,9 +161,6 @@ FD_AVX512 void tile_avx512(const uint8_t* w, const uint16_t* sc, const Acts& a, 
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
-
-#define FD_ROWS(FN, KIND) \
-  { FN<1, KIND>, FN<2, KIND>, FN<3, KIND>, FN<4, KIND>, FN<5, KIND>, FN<6, KIND>, FN<7, KIND>, FN<8, KIND> }
 
 }  // namespace
 

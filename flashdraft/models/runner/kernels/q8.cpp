@@ -22,8 +22,6 @@
 
 namespace {
 
-typedef int32_t __attribute__((may_alias, aligned(1))) unaligned_i32;  // 4 activation bytes read at once
-
 // Block g's scale for column c, and Q6_K's second half's (d1).
 void scales_reference(int kind, const uint16_t* sc, int64_t blocks, int64_t g, int c, float& d0, float& d1) {
   if (kind == Q8_0) {
@@ -67,10 +65,6 @@ void tile_reference(const uint8_t* w, const uint16_t* sc, const Acts& a, int64_t
 // rows' sums stay in registers. maddubs multiplies unsigned by signed bytes: |q| against xq given q's
 // sign. Q8_0's pair sums (up to 2 * 127 * 127) are widened at each group; Q6_K's (|q| <= 32: at most
 // 8128) are summed in 16 bits over each half block and widened once per half.
-
-__attribute__((target("avx2,fma"))) inline __m256i xgroup(const int8_t* x, int64_t r, int64_t stride, int j) {
-  return _mm256_set1_epi32(*reinterpret_cast<const unaligned_i32*>(x + r * stride + 4 * j));
-}
 
 // `scales_reference` for columns 8h..8h + 7.
 template <int KIND>
@@ -133,8 +127,6 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const uint8_t* w, const 
 
 // ---- AVX-512 VNNI: 16 columns at a time, 64 byte products per instruction -----------------------
 
-#define FD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
-
 template <int KIND>
 FD_AVX512 inline void scales16(const uint16_t* sc, int64_t blocks, int64_t g, __m512& d0, __m512& d1) {
   if (KIND == Q8_0) {
@@ -179,9 +171,6 @@ FD_AVX512 void tile_avx512(const uint8_t* w, const uint16_t* sc, const Acts& a, 
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * TILE, acc[r]);
 }
-
-#define FD_ROWS(FN, KIND) \
-  { FN<1, KIND>, FN<2, KIND>, FN<3, KIND>, FN<4, KIND>, FN<5, KIND>, FN<6, KIND>, FN<7, KIND>, FN<8, KIND> }
 
 }  // namespace
 
