@@ -9,6 +9,7 @@ DFlash decoding equals plain decoding of the same quantized runner, alone and ba
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_draft, make_hf_model
@@ -722,33 +723,29 @@ def stored_model() -> tuple[Target, dict]:
     import transformers as tf
     from test_gguf_blocks import random_blocks
 
-    from flashdraft.models.gguf_blocks import Blocks, parts
+    from flashdraft.models.gguf_blocks import LAYOUTS, Blocks, dequantize
 
     cfg = tf.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)  # fmt: skip
     model = tf.LlamaForCausalLM(cfg).eval()
     kinds = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "o_proj": "Q6_K", "down_proj": "Q6_K",
              "gate_proj": "Q5_0", "up_proj": "Q5_0", "embed_tokens": "Q8_0"}  # fmt: skip
-    blocks = {}
+    blocks, rng = {}, np.random.default_rng(0)
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
             kind = next((k for part, k in kinds.items() if f".{part}." in name), None)
             if kind is None:
                 p.uniform_(0.5, 1.5)  # norms
                 continue
-            size = 256 if kind.endswith("_K") else 32
-            raw = random_blocks(kind, p.shape[0], p.shape[1] // size, seed=i)
-            # fp16 scales of every exponent would make sums of thousands: scale d (and dmin) down to 1e-3
-            b = parts(Blocks(kind, tuple(p.shape), torch.from_numpy(raw)))
-            small = {k: v for k, v in vars(b).items() if k in ("d", "dmin", "m") and v is not None}
-            b = type(b)(
-                **{
-                    **vars(b),
-                    **{k: (v.sign() * 1e-3 * torch.rand_like(v)).half().float() for k, v in small.items()},
-                }
-            )
-            blocks[name] = b
-            p.copy_(b.values())
+            layout = LAYOUTS[kind]
+            raw = random_blocks(kind, p.shape[0], p.shape[1] // layout.size, seed=i)
+            # fp16 scales of every exponent would make sums of thousands: d (and dmin) within +-1e-3
+            per_block = raw.reshape(-1, layout.nbytes)
+            for _, at in layout.scales:
+                small = (rng.uniform(-1e-3, 1e-3, len(per_block))).astype(np.float16)
+                per_block[:, at : at + 2] = small.view(np.uint8).reshape(-1, 2)
+            blocks[name] = Blocks(kind, tuple(p.shape), torch.from_numpy(raw))
+            p.copy_(dequantize(blocks[name]))
     return Target(model), blocks
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.files import usual_mode
+from flashdraft.models.runner import kernels
 from flashdraft.models.runner.quant import Quantization
 from flashdraft.models.target import DTYPES, Target, TargetError
 
@@ -345,7 +346,7 @@ def gguf_weight_types(path: Path) -> dict:
 # blocks (`BLOCKS_FILE`): "gguf" weights. Others run as Q8_0, about their bits but not their values:
 # Q4_0 (its grid need not span 0..15), Q5_1, Q5_K, floats.
 Q4_TYPES = frozenset({"Q4_1"})
-STORED_TYPES = frozenset({"Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K"})  # kernels.STORED's keys
+STORED_TYPES = frozenset(kernels.STORED)
 
 
 def gguf_quantization(types: dict) -> Quantization:
@@ -375,11 +376,11 @@ def save_blocks(gguf: Path, out: Path) -> None:
 
 
 def stored_blocks(directory: str | os.PathLike) -> dict | None:
-    """The `gguf_blocks.Parts` of a converted GGUF's matrices (`save_blocks`) by name; None where the
+    """The `gguf_blocks.Blocks` of a converted GGUF's matrices (`save_blocks`) by name; None where the
     checkpoint has none."""
     from safetensors import safe_open
 
-    from flashdraft.models.gguf_blocks import Blocks, parts
+    from flashdraft.models.gguf_blocks import Blocks
 
     path = Path(directory) / BLOCKS_FILE
     if not path.is_file():
@@ -389,7 +390,7 @@ def stored_blocks(directory: str | os.PathLike) -> dict | None:
         found = {}
         for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
             kind, out, cols = meta[name].split()
-            found[name] = parts(Blocks(kind, (int(out), int(cols)), f.get_tensor(name)))
+            found[name] = Blocks(kind, (int(out), int(cols)), f.get_tensor(name))
     return found
 
 
@@ -568,7 +569,7 @@ def load_target(
     `runner`: "transformers" gives the transformers `Target` (training, export and the reference in
     tests need that one); "native" our own model code (`flashdraft.models.runner`), "auto" the native runner
     where it covers the architecture. `dtype` and `quantize` ("auto", "none", "int8", "int4", "q8_0",
-    "q4_1"): what runs is `flashdraft.models.compute.choose`'s, which the result's `describe()` names. The
+    "q4_1", "gguf"): what runs is `flashdraft.models.compute.choose`'s, which the result's `describe()` names. The
     default is exact: quantized weights and bf16 activations make a verify row equal a one-token step
     bitwise."""
     from flashdraft.models.compute import choose
@@ -598,12 +599,11 @@ def load_target(
     if why:  # auto: the transformers target, in the dtype torch's ops run best in
         act = choose(device, dtype, "auto", "transformers").dtype
         return target if target.dtype == act else Target(target.model.to(act), target.tokenizer)
-    stored = native_quantization(target.model.config.name_or_path)  # a GGUF's own types (see above)
-    compute = choose(device, dtype, quantize, "native", target.config.model_type, stored)
     folder = target.model.config.name_or_path
-    blocks = (
-        stored_blocks(folder) if "gguf" in (compute.quantization.layers, compute.quantization.head) else None
-    )
+    stored = native_quantization(folder)  # a GGUF's own types (see above)
+    compute = choose(device, dtype, quantize, "native", target.config.model_type, stored)
+    gguf = "gguf" in (compute.quantization.layers, compute.quantization.head)
+    blocks = stored_blocks(folder) if gguf else None
     if quantize == "gguf" and blocks is None:
         raise TargetError(
             f"--quantize gguf runs a GGUF's blocks as stored: {spec} is no GGUF target with blocks our "

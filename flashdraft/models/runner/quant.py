@@ -51,7 +51,7 @@ class Quantization:
 
     @property
     def ours(self) -> bool:
-        """Whether our kernels run some of these weights (GGUF's blocks: q8_0, q4_1)."""
+        """Whether our kernels run some of these weights (GGUF's blocks: q8_0, q4_1, or a file's as stored)."""
         return any(k in kernels.KINDS or k == "gguf" for k in (self.layers, self.head))
 
     @property
@@ -157,11 +157,23 @@ class BlockLinear(_Quantized):
         super().__init__(weight.shape[0], bias, dtype)
         if not kernels.available():
             raise RuntimeError(f"{kind} weights need flashdraft's CPU kernels, which are not available here")
-        self.kind, self.in_features, self.dtype = kind, weight.shape[1], dtype
         w = F.pad(weight.detach().float(), (0, -weight.shape[1] % kernels.BLOCK))  # inputs past K: zeros
-        packed, scales = kernels.pack(*kernels.quantize(w, kind))
+        self._hold(kind, weight.shape[1], dtype, *kernels.pack(*kernels.quantize(w, kind)))
+
+    def _hold(self, kind: str, in_features: int, dtype: torch.dtype, packed, scales) -> None:
+        self.kind, self.in_features, self.dtype = kind, in_features, dtype
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
+
+    @classmethod
+    def held(
+        cls, kind: str, out_features: int, in_features: int, dtype: torch.dtype, packed, scales
+    ) -> BlockLinear:
+        """A bias-free layer of weights already in the kernels' layout (`kernels.pack`, `pack_parts`)."""
+        layer = cls.__new__(cls)
+        _Quantized.__init__(layer, out_features, None, dtype)
+        layer._hold(kind, in_features, dtype, packed, scales)
+        return layer
 
     @classmethod
     def side_by_side(cls, *parts: BlockLinear) -> BlockLinear:
@@ -171,12 +183,9 @@ class BlockLinear(_Quantized):
         last must fill whole tiles of 16 outputs."""
         if any(p.out_features % kernels.TILE for p in parts[:-1]) or any(p.bias is not None for p in parts):
             raise ValueError("only bias-free layers of whole tiles (16 outputs) go side by side")
-        first = parts[0]
-        fused = cls.__new__(cls)
-        _Quantized.__init__(fused, sum(p.out_features for p in parts), None, first.dtype)
-        fused.kind, fused.in_features, fused.dtype = first.kind, first.in_features, first.dtype
-        fused.register_buffer("packed", torch.cat([p.packed for p in parts]))
-        fused.register_buffer("scales", torch.cat([p.scales for p in parts]))
+        first, n = parts[0], sum(p.out_features for p in parts)
+        packed, scales = torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts])
+        fused = cls.held(first.kind, n, first.in_features, first.dtype, packed, scales)
         at = 0
         for p in parts:
             n = p.packed.shape[0]
@@ -185,27 +194,25 @@ class BlockLinear(_Quantized):
         return fused
 
     @classmethod
-    def stored(cls, parts: list, bias: torch.Tensor | None, dtype: torch.dtype) -> BlockLinear | None:
-        """The GGUF blocks `parts` (`gguf_blocks.Parts`, one a part of the layer's outputs, side by side) as
-        they are stored, or None where our kernels cannot run them so: a part without blocks, types our
-        kernels do not run (`kernels.STORED`), or parts of different kinds (one kernel call runs one)."""
-        if not parts or any(p is None or p.kind not in kernels.STORED for p in parts):
+    def stored(cls, blocks: list, bias: torch.Tensor | None, dtype: torch.dtype) -> BlockLinear | None:
+        """A GGUF's `blocks` (`gguf_blocks.Blocks`, one a part of the layer's outputs, side by side) as they
+        are stored, or None where our kernels cannot run them so: a part without blocks, types our kernels
+        do not run (`kernels.STORED`), or parts of different kinds (one kernel call runs one). Taken apart
+        only here, where they run."""
+        from flashdraft.models.gguf_blocks import parts
+
+        if not blocks or any(b is None or b.ggml_type not in kernels.STORED for b in blocks):
             return None
-        if any(p.kind.endswith("_K") and p.q.shape[1] % (kernels.SUPER * kernels.BLOCK) for p in parts):
+        if any(b.ggml_type.endswith("_K") and b.shape[1] % (kernels.SUPER * kernels.BLOCK) for b in blocks):
             return None  # (GGUF writers keep K-quants to whole super-blocks)
-        if len({kernels.STORED[p.kind] for p in parts}) > 1 or any(
-            p.q.shape[0] % kernels.TILE for p in parts[:-1]
+        if len({kernels.STORED[b.ggml_type] for b in blocks}) > 1 or any(
+            b.shape[0] % kernels.TILE for b in blocks[:-1]
         ):
             return None
         layers = []
-        for p in parts:
-            layer = cls.__new__(cls)
-            _Quantized.__init__(layer, p.q.shape[0], None, dtype)
-            packed, scales, layer.kind = kernels.pack_parts(p)
-            layer.in_features, layer.dtype = p.q.shape[1], dtype
-            layer.register_buffer("packed", packed)
-            layer.register_buffer("scales", scales)
-            layers.append(layer)
+        for b in blocks:
+            packed, scales, kind = kernels.pack_parts(parts(b))
+            layers.append(cls.held(kind, *b.shape, dtype, packed, scales))
         fused = layers[0] if len(layers) == 1 else cls.side_by_side(*layers)
         if bias is not None:
             fused.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
@@ -228,7 +235,7 @@ class StoredBlocks:
         self.by_id = {id(p): blocks.get(n) for n, p in model.named_parameters()} if blocks else {}
 
     def of(self, *linears: nn.Module) -> list:
-        """Each linear's `gguf_blocks.Parts`, or None where the file has none."""
+        """Each linear's `gguf_blocks.Blocks`, or None where the file has none."""
         return [self.by_id.get(id(lin.weight)) for lin in linears]
 
 
