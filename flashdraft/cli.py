@@ -261,6 +261,17 @@ def cmd_datagen(args) -> int:
     return 0
 
 
+def cmd_make_draft(args) -> int:
+    from flashdraft.train.make import config_from_args, make_draft
+
+    n = make_draft(config_from_args(args))
+    print(
+        f"draft: {args.out}/draft ({n['steps']} steps; held-out tau {n['real_tau']:.3f} in the real loop); "
+        f"use it: {n['serve']}"
+    )
+    return 0
+
+
 def cmd_pack_data(args) -> int:
     from flashdraft.train.datagen import pack
 
@@ -435,7 +446,6 @@ def _add_draft_verbs(sub) -> None:
 
 
 def _add_datagen(sub) -> None:
-    from flashdraft.train.datagen import DatagenConfig
 
     d = sub.add_parser(
         "datagen", help="regenerate training responses with the target itself (JSONL, resumable)"
@@ -490,7 +500,6 @@ def _add_datagen(sub) -> None:
         "--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N] (local target)"
     )
     add_runner_arguments(d)
-    d.set_defaults(runner=DatagenConfig.runner)  # measured faster for batched datagen (DatagenConfig)
     chat.add_argument(d, "the prompts (also sent to --endpoint)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_datagen)
@@ -499,6 +508,15 @@ def _add_datagen(sub) -> None:
 def _add_heavy_verbs(sub) -> None:
     """train and bench, whose options live beside their code, and serve, whose options live here."""
     from flashdraft.train.loop import add_arguments as add_train_arguments
+    from flashdraft.train.make import add_arguments as add_make_arguments
+
+    md = sub.add_parser(
+        "make-draft",
+        help="from a target to a trained draft in one command: answers, training, evaluation (resumable)",
+    )
+    add_make_arguments(md)
+    add_runner_arguments(md)
+    md.set_defaults(func=cmd_make_draft)
 
     t = sub.add_parser(
         "train", help="train a DFlash draft on regenerated data (resumable; torchrun for many ranks)"
@@ -692,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = ""
         if args.cmd == "datagen":
             hint = f": {args.out} keeps every finished record; continue with: {shlex.join(['flashdraft', *argv])}"
+        if args.cmd == "make-draft":
+            hint = f": {args.out} keeps what is done; continue with: {shlex.join(['flashdraft', *argv])}"
         print(f"interrupted{hint}", file=sys.stderr)
         return 130
 

@@ -84,6 +84,7 @@ def _cfg(tiny_dir, out, **kw):
         max_new_tokens=16,
         batch_size=3,
         dtype="float32",
+        runner="transformers",  # these tests compare with transformers' generate
         limit=8,
         progress=False,
     )
@@ -120,6 +121,28 @@ def test_records_are_well_formed_and_batched_greedy_equals_unbatched(tiny, tmp_p
     meta = read_meta(out)
     assert meta["target"] == str(d.resolve()) and meta["vocab_size"] == VOCAB and meta["stop_ids"] == stops
     assert meta["max_new_tokens"] == 20 and meta["datasets"] == ["humaneval"] and meta["backend"] == "local"
+
+
+def test_the_serving_runner_answers_each_prompt_as_it_does_alone(tiny, tmp_path):
+    """The default (`--runner auto`: the native runner, bf16 on our kernels, what `serve` runs) with 3
+    rows under continuous batching: rows finish at different steps (on a stop token or at the length
+    limit), the next prompt takes the freed row in place and rows that joined later hold dead slots. Each
+    answer must have the bits of the same prompt decoded alone (batch 1), greedy and sampled (per-prompt
+    seeds)."""
+    d = tiny[0]
+    common = dict(runner="auto", dtype="auto", max_new_tokens=24, seed=3)
+    for temperature in (0.0, 1.0):
+        alone, batched = tmp_path / f"alone{temperature}.jsonl", tmp_path / f"batched{temperature}.jsonl"
+        run_datagen(_cfg(d, alone, batch_size=1, temperature=temperature, **common))
+        run_datagen(_cfg(d, batched, batch_size=3, temperature=temperature, **common))
+        assert "native runner" in read_meta(batched)["weights"]
+        one = {r["id"]: r for r in _lines(alone)}
+        many = {r["id"]: r for r in _lines(batched)}
+        assert len(many) == 8 and one.keys() == many.keys()
+        if temperature == 0:  # rows leave at different steps
+            assert {r["finish"] for r in many.values()} == {"stop", "length"}
+        for k, r in many.items():
+            assert r["response_ids"] == one[k]["response_ids"], (temperature, k)
 
 
 def test_max_prompt_tokens_skips_long_prompts_and_counts_them(tiny, tmp_path):

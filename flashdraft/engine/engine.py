@@ -217,8 +217,9 @@ class Engine:
     # -- rows join and leave ------------------------------------------------------------------------
 
     def _keep(self, index: list[int]) -> None:
-        """Only these rows stay in the batch and its caches."""
+        """Only these rows stay in the batch and its caches, in the order `fill_holes` gives them."""
         if len(index) < len(self.rows):
+            index = fill_holes(index)
             self.rows = [self.rows[i] for i in index]
             if self.proposer is not None:
                 self.proposer.keep(index)
@@ -246,3 +247,13 @@ class Engine:
         if self.proposer is not None and joined:
             self.proposer.join(joined, [feats[b] for b in stay] if self.feature_layers else None)
         return out
+
+
+def fill_holes(index: list[int]) -> list[int]:
+    """The rows `index` (ascending) that stay, in the order that moves the fewest: each stays in its
+    place, except those past the new end, which take the places of rows that left. A cache moves a row's
+    slots only where its place changes: in order, one row leaving at the top of a 64-row batch moved the
+    63 below it (datagen: 6% of its time). No row's numbers depend on its place in the batch."""
+    movers = iter(b for b in index if b >= len(index))
+    staying = set(index)
+    return [b if b in staying else next(movers) for b in range(len(index))]

@@ -218,9 +218,10 @@ class TargetBatch:
         def pad(t: torch.Tensor) -> torch.Tensor:
             return F.pad(t, (0, 0, 0, length - t.shape[2]))
 
-        for mine, new in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat([pad(mine.keys), pad(new.keys)])
-            mine.values = torch.cat([pad(mine.values), pad(new.values)])
+        if not (hasattr(self.cache, "append_rows") and self.cache.append_rows(other.cache)):
+            for mine, new in zip(self.cache.layers, other.cache.layers, strict=True):
+                mine.keys = torch.cat([pad(mine.keys), pad(new.keys)])
+                mine.values = torch.cat([pad(mine.values), pad(new.values)])
         self.slots.join(other.slots)
 
     def verify(self, block, anchors, ks, trees=None):
@@ -269,7 +270,10 @@ class TargetBatch:
         if len(index) < self.rows:
             idx = torch.tensor(index, dtype=torch.long, device=self.target.device)
             self.slots.keep(idx)
-            _map_cache(self.cache, lambda t: t[idx])
+            if hasattr(self.cache, "keep_rows"):  # the runner's cache: in place
+                self.cache.keep_rows(index)
+            else:
+                _map_cache(self.cache, lambda t: t[idx])
         order = self.slots.compaction()
         if order is not None:
             _map_cache(self.cache, lambda t: gather_slots(t, order))

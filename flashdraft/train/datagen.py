@@ -81,10 +81,10 @@ class DatagenConfig:
     endpoint: str | None = None
     model: str | None = None  # the model name sent to the endpoint (default: the target name)
     dtype: str = "auto"
-    # The local target's model code and weights. transformers by default: batched datagen (64 rows) ran at
-    # 166-177 tokens/s there against 73-86 on the native runner (int8 or dense bf16), whose prefill of many
-    # joining rows is slow (docs/speed.md); --runner auto answers with the serving weights.
-    runner: str = "transformers"
+    # The local target's model code and weights: auto answers with what `serve` runs (the native runner
+    # on our kernels where it covers the model), so the draft learns the target it will be verified
+    # against, at 2.6-3x the tokens/s of transformers' path (docs/training.md, scripts/datagen_speed.py).
+    runner: str = "auto"
     quantize: str = "auto"
     device: str = "auto"  # where the local target runs: auto (CUDA when present), cpu or cuda[:N]
     progress: bool = True

@@ -363,6 +363,17 @@ struct Scratch {  // a thread's, in float: the queries, a group of keys and of v
   std::vector<float> q, k, v, s, acc;
 };
 
+// Whether a mask hides all of its n slots (lowest(): the masks' "not visible", torch.finfo.min). Such
+// a slot's score is dot * scale + lowest() = lowest() whatever the dot (below half lowest()'s ulp), and
+// its p is 0, so the vector path skips the dot products of such groups of slots (dead slots of rows
+// that joined later or rejected drafts, up to a quarter of a batch's cache before a compaction): the
+// bits stay the reference's, which computes them.
+inline bool hidden(const float* mask, int64_t n) {
+  for (int64_t u = 0; u < n; ++u)
+    if (mask[u] != std::numeric_limits<float>::lowest()) return false;
+  return true;
+}
+
 // Attention of n queries that share a kv head over its slots 0..kend: query i is q[i] (head_dim
 // values), sees slot j where mask[i][j] adds 0 (no mask: j <= visible[i] < kend) and writes out[i].
 // Each query's numbers do not depend on the others: they only share the slots' conversion to float.
@@ -392,6 +403,13 @@ void attend(const Model& m, const bf16* const* q, int n, const bf16* keys, const
   }
   for (int64_t j = 0; j < most; j += 8) {  // scores, 8 slots at a time
     const int64_t g = std::min<int64_t>(8, kend - j);
+    bool live[16], any = false;  // query i sees one of these slots (its mask does not hide them all)
+    for (int i = 0; i < n; ++i) {
+      live[i] = j < len[i] && !(vector && mask[i] && hidden(mask[i] + j, std::min<int64_t>(8, len[i] - j)));
+      if (j < len[i] && !live[i]) std::fill(w.s.data() + i * k8 + j, w.s.data() + i * k8 + j + 8, 0.f);
+      any = any || live[i];
+    }
+    if (!any) continue;
     const bool read = direct && g == 8;  // from the cache itself
     if (!read) {
       to_float(keys + j * d, w.k.data(), g * d, vector);
@@ -399,7 +417,7 @@ void attend(const Model& m, const bf16* const* q, int n, const bf16* keys, const
     }
     for (int i = 0; i < n; ++i) {
       float* s = w.s.data() + i * k8;
-      if (j >= len[i]) continue;
+      if (!live[i]) continue;
       if (!vector) {
         for (int64_t u = j; u < std::min(len[i], j + 8); ++u)
           s[u] = dot_reference(w.q.data() + i * d, w.k.data() + (u - j) * d, d);
