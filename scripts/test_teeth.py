@@ -1928,6 +1928,62 @@ BUGS = [
         "    if False:",
         "tests/test_runner_default.py::test_forcing_the_avx2_path_makes_auto_act_as_on_an_avx2_cpu",
     ),
+    (
+        "a leaving row's place: the rows below are not moved up",
+        "flashdraft/models/runner/cache.py",
+        "                if moved:",
+        "                if False:",
+        "tests/test_datagen.py::test_the_serving_runner_answers_each_prompt_as_it_does_alone",
+    ),
+    (
+        "a joining row: its keys and values not written below the running rows",
+        "flashdraft/models/runner/cache.py",
+        "                room[rows : rows + more, :, : other.length] = new[i][:, :, : other.length]",
+        "                room[rows : rows + more, :, : other.length] = 0",
+        "tests/test_datagen.py::test_the_serving_runner_answers_each_prompt_as_it_does_alone",
+    ),
+    (
+        "fill_holes: a row kept twice, another lost",
+        "flashdraft/engine/engine.py",
+        "    return [b if b in staying else next(movers) for b in range(len(index))]",
+        "    return [b if b in staying else index[-1] for b in range(len(index))]",
+        "tests/test_batch.py::test_leaving_rows_places_go_to_the_last_rows",
+    ),
+    (
+        "attention: a group of slots skipped when its mask hides only some of them",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "    if (mask[u] != std::numeric_limits<float>::lowest()) return false;\n  return true;",
+        "    if (mask[u] == std::numeric_limits<float>::lowest()) return true;\n  return false;",
+        "tests/test_runner.py::test_prompts_of_different_lengths_prefilled_together_get_the_bits_they_get_alone",
+    ),
+    (
+        "make-draft: a rerun starts training afresh instead of resuming its checkpoints",
+        "flashdraft/train/make.py",
+        "        resume=bool(checkpoint_dirs(run)),",
+        "        resume=False,",
+        "tests/test_make_draft.py::test_one_command_makes_a_working_draft_and_a_crash_changes_nothing",
+    ),
+    (
+        "make-draft: a rerun answers the prompts again into the same file",
+        "flashdraft/train/make.py",
+        '    if name in state["done"]:\n        return',
+        "    if False:\n        return",
+        "tests/test_make_draft.py::test_one_command_makes_a_working_draft_and_a_crash_changes_nothing",
+    ),
+    (
+        "make-draft: a draft folder as the target is not named before anything is written",
+        "flashdraft/train/make.py",
+        "        check_model_dir(local_dir(cfg.target))",
+        "        pass",
+        "tests/test_make_draft.py::test_bad_input_gets_one_line",
+    ),
+    (
+        "make-draft: --hours 0 accepted",
+        "flashdraft/train/make.py",
+        "    if not cfg.hours > 0:",
+        "    if cfg.hours < 0:",
+        "tests/test_make_draft.py::test_bad_input_gets_one_line",
+    ),
 ]
 
 

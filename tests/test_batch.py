@@ -29,6 +29,7 @@ from flashdraft import (
     generate,
     generate_batch,
 )
+from flashdraft.engine.engine import fill_holes
 from flashdraft.engine.sampling import probs
 from flashdraft.engine.scheduler import PAD_WASTE, prefill_groups
 from flashdraft.engine.sequence import Row
@@ -240,6 +241,18 @@ def test_prompts_of_different_lengths_prefill_in_runs_that_pad_little(tiny_llama
     assert [got[str(i)] for i in range(4)] == [
         generate(tiny_llama, p, None, GenerationConfig(6)).tokens for p in prompts
     ]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 9])
+def test_leaving_rows_places_go_to_the_last_rows(n):
+    """fill_holes: every staying row exactly once; a row stays in its place unless it is past the new
+    end, and only such rows move (into the places of rows that left, lowest first)."""
+    for left in itertools.chain.from_iterable(itertools.combinations(range(n), k) for k in range(n + 1)):
+        index = [b for b in range(n) if b not in left]
+        order = fill_holes(index)
+        assert sorted(order) == index, (index, order)
+        assert all(order[b] == b for b in index if b < len(index)), (index, order)
+        assert [b for b in order if b >= len(index)] == [b for b in index if b >= len(index)]
 
 
 def test_a_cancel_that_races_the_finish_does_not_hit_a_later_request(tiny_llama, monkeypatch):

@@ -114,8 +114,10 @@ def test_one_command_makes_a_working_draft_and_a_crash_changes_nothing(tiny, tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert again["real_tau"] == n["real_tau"] and again["offline_curve"] == n["offline_curve"]
 
-    # A finished run asked again: nothing is redone, the same draft stays.
+    # A finished run asked again: no stage runs again (their seconds stay), the same draft stays.
+    before = json.loads((tmp_path / "crashed" / "make-draft.json").read_text())
     assert make_draft(crashed)["real_tau"] == n["real_tau"]
+    assert json.loads((tmp_path / "crashed" / "make-draft.json").read_text()) == before
     with pytest.raises(ValueError, match=r"other settings: max_steps 4 \(now 5\)"):
         make_draft(_cfg(tiny, tmp_path / "crashed", max_steps=5))
 

@@ -136,6 +136,11 @@ RUN = {
     "from flashdraft import DFlashDraft, DFlashProposer, GenerationConfig, SamplingConfig, generate, load_target": [
         ("max_new_tokens=64", "max_new_tokens=8"),
     ],
+    # README and docs/training.md: the one command, then the verbs one by one
+    "flashdraft make-draft --target smollm2-135m-instruct --out runs/my-draft --hours 1": [
+        ("--hours 1", "--hours 1 --prompts gsm-symbolic --max-prompts 2 --max-new-tokens 40 --max-steps 2 "
+         "--eval-sets gsm-symbolic-eval --eval-prompts 1 --eval-max-new-tokens 8 --no-progress"),
+    ],
     "# 1. regenerate responses with the target itself (resumable; rerun to continue)": [
         ("--limit 256", "--limit 3"),
         ("--max-new-tokens 192", "--max-new-tokens 40"),
@@ -144,7 +149,7 @@ RUN = {
     ],
     "flashdraft models                                   # the built-in target names, installed or not": [],
     # docs/training.md: resuming the run above
-    "flashdraft train --target smollm2-135m-instruct --data runs/data/gsm.jsonl --out runs/my-draft \\": TRAIN_SUBS,
+    "flashdraft train --target smollm2-135m-instruct --data runs/data/gsm.jsonl --out runs/gsm-draft \\": TRAIN_SUBS,
     # docs/serving.md: a second server, with a key
     f"flashdraft serve --target smollm2-135m-instruct --draft {SHIPPED} \\": [],
     'curl http://127.0.0.1:8000/v1/chat/completions -H "Authorization: Bearer KEY" -H "Content-Type: application/json" \\': [

@@ -2,8 +2,10 @@
 
 A draft must learn the distribution of the target it will serve, not that of whoever wrote the
 original answers, so every response is regenerated: the prompt (first user turn) goes through the
-target's chat template and the target answers it, either here (batched HF `generate` on CPU) or
-through any OpenAI-compatible server (`--endpoint`, how one regenerates with vLLM / SGLang).
+target's chat template and the target answers it, either here (the project's batched decoder on the
+target `serve` runs: the native runner on our kernels where it covers the model; rows join and leave
+the batch at every step and each answer has the bits of the prompt answered alone) or through any
+OpenAI-compatible server (`--endpoint`, how one regenerates with vLLM / SGLang).
 
 The output is JSON lines, one conversation per line, appended as soon as it is done:
 

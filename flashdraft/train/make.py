@@ -353,6 +353,7 @@ def config_from_args(args) -> MakeConfig:
         max_prompts=args.max_prompts,
         max_steps=args.max_steps,
         max_new_tokens=args.max_new_tokens,
+        eval_max_new_tokens=args.eval_max_new_tokens,
         layers=args.layers,
         seed=args.seed,
         runner=args.runner,
@@ -377,6 +378,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-prompts", type=int, default=None, help="answer at most N prompts of each set")
     p.add_argument("--max-steps", type=int, default=None, help="train N steps (instead of the training time)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per regenerated answer")
+    p.add_argument("--eval-max-new-tokens", type=int, default=128, help="per held-out prompt")
     p.add_argument("--layers", type=int, default=2, help="draft layers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
