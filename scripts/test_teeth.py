@@ -1984,6 +1984,20 @@ BUGS = [
         "    if cfg.hours < 0:",
         "tests/test_make_draft.py::test_bad_input_gets_one_line",
     ),
+    (
+        "train: the draft's features from transformers' forward where the serving runner's were chosen",
+        "flashdraft/train/loop.py",
+        "        feats = target_features(run.features, batch, run.feature_ids)",
+        "        feats = target_features(run.target, batch, run.feature_ids)",
+        "tests/test_train.py::test_features_are_the_serving_runners_bits_on_a_bf16_cpu_run",
+    ),
+    (
+        "train: a checkpoint resumes on the other features",
+        "flashdraft/train/state.py",
+        '        if a != b:\n            diffs.append(f"--features:',
+        '        if False:\n            diffs.append(f"--features:',
+        "tests/test_train.py::test_features_are_the_serving_runners_bits_on_a_bf16_cpu_run",
+    ),
 ]
 
 

@@ -652,6 +652,32 @@ def test_autocast_auto_is_on_where_bf16_is_native(files, tmp_path, monkeypatch, 
     assert "autocast bf16" in capsys.readouterr().err
 
 
+def test_features_are_the_serving_runners_bits_on_a_bf16_cpu_run(files, tmp_path, monkeypatch):
+    """--features auto with a bf16 target on a CPU: every feature the draft trains on is the bits the
+    served target (`load_target` as `serve` calls it) gives, not transformers' dense forward; a checkpoint
+    made so refuses to resume on transformers' features."""
+    from flashdraft.models.load import load_target
+
+    seen, real = [], T.target_features
+
+    def spy(target, batch, layers):
+        feats = real(target, batch, layers)
+        seen.append((batch, list(layers), feats))
+        return feats
+
+    monkeypatch.setattr(T, "target_features", spy)
+    out = tmp_path / "run"
+    T.train(config(files, out, dtype="bfloat16", max_steps=2, save_every=1))
+    served = load_target(str(files / "target"), "auto", "cpu")
+    dense = load_target(str(files / "target"), "bfloat16", "cpu", runner="transformers")
+    assert seen
+    for batch, layers, feats in seen:
+        assert torch.equal(feats, real(served, batch, layers))
+        assert not torch.equal(feats, real(dense, batch, layers))  # the two differ: the test can tell
+    with pytest.raises(TC.TrainError, match="--features: checkpoint 'runner', now 'transformers'"):
+        T.train(config(files, out, dtype="bfloat16", max_steps=2, features="transformers", resume=True))
+
+
 # -- sample-efficiency options: block layout, sub-vocabulary, distillation, init from target ------
 
 

@@ -91,6 +91,11 @@ class TrainConfig:
     head_vocab: int = 0  # loss over the N most frequent response tokens only (0: the whole vocabulary)
     init_from_target: bool = False  # draft layers start as copies of the target's top layers
     cache_features: bool = False  # keep target features in memory after the first epoch
+    # Where the draft's target features come from (training and evaluation). auto: the serving runner (the
+    # target `serve` runs: its quantized weights on our kernels, in bf16) when the target runs on a CPU in
+    # bf16, so the draft learns the very bits it reads when served; else transformers' forward of the
+    # target (GPUs, float32 and float64 runs, architectures the runner lacks).
+    features: str = "auto"
     cache_gb: float = 8.0  # memory cap of the feature cache; sequences past it are recomputed each epoch
     corpus_limit: int | None = None  # (prompt, answer) pairs taken from each named corpus in --data
     corpus_skip: int = 0  # ... after skipping this many (each sitting of a campaign can take a fresh slice)
@@ -109,6 +114,8 @@ class TrainConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
+
+FEATURES = ("auto", "runner", "transformers")
 
 # Fields that define a run: `--resume` refuses a checkpoint made with other values. The others
 # (evaluation, checkpointing, micro-batch, device, progress bar) may change between sittings.
@@ -230,6 +237,8 @@ def check_config(cfg: TrainConfig) -> None:
             )
     if cfg.autocast not in ("auto", "on", "off"):
         problems.append(f"--autocast must be auto, on or off, got {cfg.autocast!r}")
+    if cfg.features not in FEATURES:
+        problems.append(f"--features must be one of {', '.join(FEATURES)}, got {cfg.features!r}")
     if not cfg.data:
         problems.append("--data is empty: pass data files or corpus names (sharegpt, gsm-symbolic)")
     weighted = []

@@ -43,11 +43,13 @@ from flashdraft.engine.proposers import DFlashProposer
 from flashdraft.files import atomic_write, write_json, write_text
 from flashdraft.models.draft import DFlashDraft, DraftError, init_draft_config
 from flashdraft.models.load import load_target, local_dir
+from flashdraft.models.runner import RunnerTarget
 from flashdraft.models.target import Target, TargetError, resolve_dtype
 from flashdraft.train.acceptance import offline_tau, position_acceptance, read_references
 from flashdraft.train.config import (
     CONTINUED_SCHEDULE,
     DTYPES,
+    FEATURES,
     NEW_DRAFT_BLOCK_SIZE,
     NEW_SCHEDULE,
     RUN_FIELDS,
@@ -251,6 +253,7 @@ class Run:
     master: torch.dtype
     autocast: bool
     target: Target
+    features: Target  # whose forward gives the draft's features (`_feature_target`)
     seqs: list
     eval_prompts: dict
     stats: dict
@@ -320,6 +323,7 @@ def _open_run(cfg: TrainConfig, d: Dist, device: torch.device) -> tuple[Run, Pat
         ckpt_state = read_state(ckpt)
         check_resume(ckpt_state, identity, ckpt)
     target = load_target(cfg.target, dtype, str(device), runner="transformers")
+    features, identity["config"]["features"] = _feature_target(cfg, target, device)
     seqs, eval_prompts, stats = prepare_data(cfg, target.vocab_size, target.tokenizer)
     run = Run(
         cfg=cfg,
@@ -332,6 +336,7 @@ def _open_run(cfg: TrainConfig, d: Dist, device: torch.device) -> tuple[Run, Pat
         master=torch.float64 if dtype == torch.float64 else torch.float32,
         autocast=use_autocast(cfg.autocast, device, dtype),
         target=target,
+        features=features,
         seqs=seqs,
         eval_prompts=eval_prompts,
         stats=stats,
@@ -478,6 +483,7 @@ def _start_at(run: Run, ckpt: Path | None, ckpt_state: dict | None) -> int:
         f"({', '.join(map(str, per_epoch[:4]))}{', ...' if len(per_epoch) > 4 else ''} per epoch), "
         f"world {d.world}, device {run.device}, autocast {'bf16' if run.autocast else 'off'}"
     )
+    run.log(f"target features from: {run.features.describe()}")
     if start == 0 and run.evaluating:
         res = _evaluate(run, 0)
         if res:
@@ -494,11 +500,26 @@ def _lineage(run: Run, steps: int) -> dict:
     return lineage_after(sources, draws, run.prior, run.cfg.max_views)
 
 
+def _feature_target(cfg: TrainConfig, target: Target, device: torch.device):
+    """The target whose forward gives the draft's features, and its name for the run's identity: the
+    serving runner (`load_target` as `serve` calls it) or the transformers `target` (`TrainConfig.features`)."""
+    if cfg.features == "transformers" or (
+        cfg.features == "auto" and (device.type != "cpu" or target.dtype != torch.bfloat16)
+    ):
+        return target, "transformers"
+    if device.type != "cpu":
+        raise TrainError(f"--features runner: the serving runner runs on CPUs, not {device.type}")
+    served = load_target(cfg.target, "auto", "cpu", runner="auto" if cfg.features == "auto" else "native")
+    if not isinstance(served, RunnerTarget):  # auto, and an architecture the runner lacks
+        return target, "transformers"
+    return served, "runner"
+
+
 def _batch_features(run: Run, part: list[int], batch: Batch) -> torch.Tensor:
     """Target features of a micro-batch: computed, or (--cache-features) assembled from memory."""
     cache, seqs, target = run.feature_cache, run.seqs, run.target
     if not run.cfg.cache_features or any(i not in cache for i in part):
-        feats = target_features(target, batch, run.feature_ids)
+        feats = target_features(run.features, batch, run.feature_ids)
         if run.cfg.cache_features:
             for row, i in enumerate(part):
                 kept = feats[row, : seqs[i].ids.numel()]
@@ -506,7 +527,7 @@ def _batch_features(run: Run, part: list[int], batch: Batch) -> torch.Tensor:
                     cache[i] = kept.clone()
                     run.cache_room -= kept.nbytes
         return feats
-    feats = torch.zeros(*batch.ids.shape, len(run.feature_ids) * target.hidden_size, dtype=target.dtype)
+    feats = torch.zeros(*batch.ids.shape, len(run.feature_ids) * target.hidden_size, dtype=run.features.dtype)
     for row, i in enumerate(part):
         feats[row, : seqs[i].ids.numel()] = cache[i]
     return feats.to(run.device)
@@ -519,11 +540,13 @@ def _evaluate(run: Run, step: int) -> dict | None:
         whole = unsharded(run.draft, run.d)
         if run.d.main and run.refs is not None:
             t0 = time.perf_counter()
-            result = offline_tau(whole, run.target, run.refs) | {"eval_s": round(time.perf_counter() - t0, 3)}
+            result = offline_tau(whole, run.features, run.refs) | {
+                "eval_s": round(time.perf_counter() - t0, 3)
+            }
         elif run.d.main:
             cfg = run.cfg
             result = evaluate_tau(
-                whole, run.target, run.eval_prompts, cfg.block_size, cfg.eval_max_new_tokens
+                whole, run.features, run.eval_prompts, cfg.block_size, cfg.eval_max_new_tokens
             )
         barrier(run.d)
     return result
@@ -923,6 +946,13 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--cache-features",
         action="store_true",
         help="keep the target's features of every sequence in memory after their first use",
+    )
+    p.add_argument(
+        "--features",
+        choices=FEATURES,
+        default=d.features,
+        help="where the draft's target features come from (auto: the serving runner, the bits `serve` reads, "
+        "on a CPU with a bf16 target; transformers elsewhere)",
     )
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -179,13 +179,14 @@ def _answers_file(data: Path, name: str) -> Path:
 
 
 def _references(cfg: MakeConfig, path: Path) -> None:
-    """The training target's greedy answers to the held-out prompts (what the offline walk compares with)."""
+    """The serving target's greedy answers to the held-out prompts: what the offline walk compares the
+    draft's blocks with (on the serving runner's features too, it scores the real loop's own path)."""
     from flashdraft.models.load import load_target
     from flashdraft.train.acceptance import greedy_references, write_references
     from flashdraft.train.data import dataset_prompts
 
     _log(f"references: greedy answers to {cfg.eval_prompts} prompts of each of {', '.join(cfg.eval_sets)}")
-    target = load_target(cfg.target, "auto", "cpu", runner="transformers")
+    target = load_target(cfg.target, "auto", "cpu", runner=cfg.runner, quantize=cfg.quantize)
     prompts = {s: dataset_prompts(s, cfg.eval_prompts, target.tokenizer) for s in cfg.eval_sets}
     write_references(greedy_references(target, prompts, cfg.eval_max_new_tokens), path)
 
@@ -330,7 +331,7 @@ Use it:
 | | |
 |---|---|
 | held-out tau, real greedy loop (serving target) | **{n["real_tau"]:.3f}** ({sets}) |
-| held-out tau, offline walk (training target) | {offline} |
+| held-out tau, offline walk (the features training read) | {offline} |
 | drafted token accepted at block positions 1-5 | {accept} |
 | optimizer steps | {n["steps"]} |
 | regenerated answers | {data} |

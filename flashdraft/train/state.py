@@ -306,6 +306,10 @@ def check_resume(state: dict, identity: dict, ckpt: Path) -> None:
         a, b = old.get("config", {}).get(k, defaults[k]), identity["config"][k]
         if a != b:
             diffs.append(f"--{k.replace('_', '-')}: checkpoint {a!r}, now {b!r}")
+    if "features" in identity["config"]:  # resolved once the target is loaded; older runs read transformers'
+        a, b = old.get("config", {}).get("features", "transformers"), identity["config"]["features"]
+        if a != b:
+            diffs.append(f"--features: checkpoint {a!r}, now {b!r}")
     if old.get("data") != identity["data"]:
         diffs.append("the data files (content or order) differ from the checkpoint's")
     if old.get("held_out") != identity["held_out"]:
