@@ -33,7 +33,13 @@ def is_corpus(name: str) -> bool:
 
 
 def corpus_records(
-    name: str, tokenizer, limit: int | None, seed: int = 0, skip: int = 0, template_kwargs: dict | None = None
+    name: str,
+    tokenizer,
+    limit: int | None,
+    seed: int = 0,
+    skip: int = 0,
+    template_kwargs: dict | None = None,
+    progress: bool = True,
 ) -> list[dict]:
     """Records of a text corpus (`data.CORPORA`): each prompt through the chat template, and its recorded
     answer as the response, as the template renders an assistant turn. No regeneration: with --distill
@@ -50,7 +56,7 @@ def corpus_records(
     eos = tokenizer.eos_token_id
     records = []
     for ex, answer in tqdm(
-        pairs, desc=f"tokenizing {name}", unit="pair", leave=False, disable=len(pairs) < 500
+        pairs, desc=f"tokenizing {name}", unit="pair", leave=False, disable=not progress or len(pairs) < 500
     ):
         msgs = ex.asked()
         prompt = chat_ids(tokenizer, msgs, template_kwargs)
@@ -95,7 +101,13 @@ def prepare_data(
         name, weight = data_source(item)
         part = (
             corpus_records(
-                name, tokenizer, cfg.corpus_limit, cfg.seed, cfg.corpus_skip, cfg.chat_template_kwargs
+                name,
+                tokenizer,
+                cfg.corpus_limit,
+                cfg.seed,
+                cfg.corpus_skip,
+                cfg.chat_template_kwargs,
+                cfg.progress,
             )
             if is_corpus(name)
             else read_records(name, vocab_size)
