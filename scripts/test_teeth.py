@@ -1998,6 +1998,20 @@ BUGS = [
         '        if False:\n            diffs.append(f"--features:',
         "tests/test_train.py::test_features_are_the_serving_runners_bits_on_a_bf16_cpu_run",
     ),
+    (
+        "runner: a layer listed twice in features is passed on twice (the C++ call refuses it)",
+        "flashdraft/models/runner/target.py",
+        "        wanted, logits = list(dict.fromkeys(features or ())), None",
+        "        wanted, logits = list(features or ()), None",
+        "tests/test_runner.py::test_quantized_verify_rows_equal_one_token_steps_bitwise",
+    ),
+    (
+        "runner: a layer listed twice in features comes back once",
+        "flashdraft/models/runner/target.py",
+        "        if features is not None and len(wanted) < len(features):",
+        "        if False:",
+        "tests/test_runner.py::test_float64_logits_and_features_equal_transformers",
+    ),
 ]
 
 

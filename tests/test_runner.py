@@ -56,7 +56,7 @@ def check_float64_equals_transformers(ref: Target, run: RunnerTarget, what) -> N
     """Prompt, then a one-token step and a 3-token block, then a left-padded batch of three prompts
     with per-slot positions, a step where one row's slot is dead (a rejected draft) and the masks
     both targets build: the runner's logits and features equal transformers' at every step."""
-    layers = [0, 2, ref.num_layers - 1]  # the last one is the final-normed output
+    layers = [0, 2, ref.num_layers - 1, 2]  # the last layer: its final-normed output; 2 twice, as listed
     g = torch.Generator().manual_seed(3)
     caches = (ref.new_cache(sliding=False), run.new_cache(sliding=False))
     ids = torch.randint(0, 128, (1, 11), generator=g)
@@ -252,12 +252,15 @@ def check_verify_rows_equal_one_token_steps(run: RunnerTarget, what) -> None:
     prompt, block = torch.randint(0, 128, (2, 97), generator=g), torch.randint(0, 128, (2, 8), generator=g)
     cache = run.new_cache()
     run.forward(prompt, torch.arange(97).expand(2, -1), cache)
-    verify, feats = run.forward(block, torch.arange(97, 105).expand(2, -1), cache, features=[0, 1])
+    layers = [0, 1, 0]  # a layer listed twice (training's teacher can be the draft's last): read once
+    verify, feats = run.forward(block, torch.arange(97, 105).expand(2, -1), cache, features=layers)
+    first, _, again = feats.chunk(3, dim=-1)
+    assert torch.equal(first, again), what
     for b in range(2):
         alone = run.new_cache()
         run.forward(prompt[b : b + 1], torch.arange(97)[None], alone)
         steps = [
-            run.forward(block[b : b + 1, j : j + 1], torch.tensor([[97 + j]]), alone, features=[0, 1])
+            run.forward(block[b : b + 1, j : j + 1], torch.tensor([[97 + j]]), alone, features=layers)
             for j in range(8)
         ]
         assert torch.equal(verify[b], torch.cat([s[0][0] for s in steps])), (what, b)

@@ -162,11 +162,9 @@ class FrozenHead:
 def target_features(target: Target, batch: Batch, layers: list[int]) -> torch.Tensor:
     """Features (b, S, n*H) of these target layers at every position, from one causal forward of the
     frozen target."""
-    once = list(dict.fromkeys(layers))  # a layer listed twice (the draft's last and the teacher) read once
-    _, feats = target.forward(batch.ids, batch.positions, target.new_cache(), logits_to_keep=1, features=once)
-    if once != list(layers):
-        parts = feats.chunk(len(once), dim=-1)
-        feats = torch.cat([parts[once.index(i)] for i in layers], dim=-1)
+    _, feats = target.forward(
+        batch.ids, batch.positions, target.new_cache(), logits_to_keep=1, features=list(layers)
+    )
     return feats.clone() if feats.is_inference() else feats  # the runner's: autograd may save them
 
 

@@ -157,7 +157,7 @@ class RunnerTarget:
             slots = torch.arange(start + t, device=input_ids.device)
             attention_mask = self.attention_mask(positions, slots[None] + (positions[:, :1] - start))
         n = None if lengths is None else torch.tensor(lengths, dtype=torch.long)
-        wanted, logits = list(features or ()), None
+        wanted, logits = list(dict.fromkeys(features or ())), None  # a layer listed twice is read once
         if n is None and hasattr(self.runner, "forward_head"):  # the head in the layers' call, where it can
             keep = logits_to_keep if 0 < logits_to_keep < t else t
             x, feats, logits = self.runner.forward_head(
@@ -166,6 +166,9 @@ class RunnerTarget:
         else:
             x, feats = self.runner(input_ids, positions, cache, start, attention_mask, wanted, n)
         cache.length = start + t
+        if features is not None and len(wanted) < len(features):  # as listed, repeats included
+            parts = feats.chunk(len(wanted), dim=-1)
+            feats = torch.cat([parts[wanted.index(i)] for i in features], dim=-1)
         if logits is not None:
             return logits, feats
         if n is not None and logits_to_keep and self.ragged:  # each row's own last tokens
