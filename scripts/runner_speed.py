@@ -9,7 +9,9 @@ batch of 8 rows, a verify of 4 tokens a row for 8 rows, the same where only one 
 runner does not compute their padding), and a prompt of 512 tokens from an empty cache. Variants: `transformers` (bf16), or
 the runner's weights: none (dense bf16), int8 / int4 (torch's kernels), q8_0 / q4_1 (ours; `L+H`
 for layers and head apart, e.g. q4_1+q8_0, the built-in SmolLM2's own GGUF types), each on a kernel
-path of its own with `@path` (q4_1+q8_0@avx2 beside q4_1+q8_0@avx512: an A/B of the paths). They run
+path of its own with `@path` (q4_1+q8_0@avx2 beside q4_1+q8_0@avx512: an A/B of the paths), or `default`:
+the runner `load_target` gives (a GGUF's blocks as stored: Gemma-3-270M's Q4_K_M); `!torch` after a variant
+runs its layers as torch ops around our GEMMs instead of the one C++ call (an A/B of the call). They run
 interleaved, round after round (this kind of VM drifts by 15-25% over minutes), and the table shows
 medians. Each timed forward is cropped back, so the cache stays at the same length, as the engine's
 verify steps are.
@@ -38,12 +40,17 @@ SHAPES = {
 }
 
 
-def build(ref, spec: str):
+def build(ref, spec: str, target: str):
     if spec == "transformers":
         return ref
-    layers, _, head = spec.partition("@")[0].partition("+")
-    plan = Quantization(layers, head or layers)
-    return RunnerTarget.from_target(ref, plan, torch.bfloat16)
+    weights, torch_ops, _ = spec.partition("@")[0].partition("!")
+    if weights == "default":
+        run = load_target(target, dtype="auto")
+    else:
+        layers, _, head = weights.partition("+")
+        run = RunnerTarget.from_target(ref, Quantization(layers, head or layers), torch.bfloat16)
+    run.runner.fused = not torch_ops
+    return run
 
 
 def main() -> None:
@@ -59,7 +66,7 @@ def main() -> None:
     variants = {}
     for spec in args.variants.split(","):
         t0 = time.perf_counter()
-        variants[spec] = build(ref, spec)
+        variants[spec] = build(ref, spec, args.target)
         print(f"built {spec} in {time.perf_counter() - t0:.1f}s", flush=True)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, ref.vocab_size, (8, max(args.context, args.prompt)), generator=g)
@@ -86,6 +93,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 t.forward(prompt[:1, : args.prompt], torch.arange(args.prompt)[None], fresh)
                 times[name, "prompt"].append(time.perf_counter() - t0)
+    kernels.force("auto")
     print(
         f"\n{args.target}, {torch.get_num_threads()} threads, {args.context} cached tokens, medians of "
         f"{args.rounds * args.steps} forwards (prompt: of {args.rounds}); our kernels' path: "

@@ -136,8 +136,8 @@ BUGS = [
     (
         "a target forward whose RoPE table lacks a position is not called again",
         "flashdraft/models/runner/llama.py",
-        "            if not out:  # a position past the table",
-        "            if False:  # a position past the table",
+        "        if not out:  # a position past a table",
+        "        if False:  # a position past a table",
         "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
     ),
     (
@@ -178,8 +178,8 @@ BUGS = [
     (
         "the C++ target forward looks RoPE rows up one position late",
         "flashdraft/models/runner/kernels/layers.cpp",
-        'const at::Tensor c = rope_rows(cos, positions, "llama_forward")',
-        'const at::Tensor c = rope_rows(cos, positions ? c10::optional<at::Tensor>(*positions + 1) : positions, "llama_forward")',
+        'at::Tensor c = rope_rows(cos, positions, "llama_forward")',
+        'at::Tensor c = rope_rows(cos, positions ? c10::optional<at::Tensor>(*positions + 1) : positions, "llama_forward")',
         "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
     ),
     (
@@ -206,22 +206,22 @@ BUGS = [
     (
         "the C++ draft call's hidden norm applied with the final norm's weights",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "rms_norm(fco.data_ptr<bf16>() + r * hidden, fc[2].data_ptr<bf16>(),",
-        "rms_norm(fco.data_ptr<bf16>() + r * hidden, norm->data_ptr<bf16>(),",
+        "rms_norm(fco.data_ptr<bf16>() + r * hidden, norm_of(fc[2]),",
+        "rms_norm(fco.data_ptr<bf16>() + r * hidden, final,",
         "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
     ),
     (
         "the C++ draft call's context skips its hidden norm",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "        rms_norm(fco.data_ptr<bf16>() + r * hidden, fc[2].data_ptr<bf16>(), kx.data_ptr<bf16>() + (rows + r) * hidden, 1,\n                 hidden, hidden, m.eps, path != REFERENCE);",
+        "        rms_norm(fco.data_ptr<bf16>() + r * hidden, norm_of(fc[2]), kx.data_ptr<bf16>() + (rows + r) * hidden, 1,\n                 hidden, hidden, m.eps, path != REFERENCE);",
         "        std::memcpy(kx.data_ptr<bf16>() + (rows + r) * hidden, fco.data_ptr<bf16>() + r * hidden, hidden * 2);",
         "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
     ),
     (
         "the C++ draft's final norm applied with its first layer's norm weights",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "      const Next next{nullptr,\n                      last ? (normed ? norm->data_ptr<bf16>() : nullptr)",
-        "      const Next next{nullptr,\n                      last ? (normed ? m.layers[0].norm1.data_ptr<bf16>() : nullptr)",
+        "      const Next next{nullptr,\n                      last ? final",
+        "      const Next next{nullptr,\n                      last ? (normed ? m.layers[0].n1 : final)",
         "tests/test_runner.py::test_the_native_draft_layers_agree_with_the_torch_layers",
     ),
     (
@@ -262,8 +262,8 @@ BUGS = [
     (
         "the C++ final norm applied with the first layer's norm weights",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "      const Next next{copies[i],\n                      last ? (normed ? norm->data_ptr<bf16>() : nullptr)",
-        "      const Next next{copies[i],\n                      last ? (normed ? m.layers[0].norm1.data_ptr<bf16>() : nullptr)",
+        "      const Next next{copies[i],\n                      last ? final",
+        "      const Next next{copies[i],\n                      last ? (normed ? m.layers[0].n1 : final)",
         "tests/test_runner.py::test_native_layers_agree_with_the_torch_layers",
     ),
     (
@@ -583,8 +583,8 @@ BUGS = [
     (
         "layers.cpp: a ragged verify's queries read the mask row of their packed index",
         "flashdraft/models/runner/kernels/layers.cpp",
-        "      masks[n] = w.mask ? w.mask + r * end : nullptr;",
-        "      masks[n] = w.mask ? w.mask + j * end : nullptr;",
+        "      masks[n] = mask ? mask + r * end : nullptr;",
+        "      masks[n] = mask ? mask + j * end : nullptr;",
         "tests/test_runner.py::test_a_ragged_verify_gives_each_row_the_bits_of_the_padded_one",
     ),
     (
@@ -793,8 +793,8 @@ BUGS = [
     (
         "runner: a verify block's queries see the drafts after them (no causal mask)",
         "flashdraft/models/runner/target.py",
-        "        if attention_mask is None and (t > 1 or self.runner.windowed) and not self.runner.ragged:",
-        "        if attention_mask is None and self.runner.windowed and not self.runner.ragged:",
+        "        if attention_mask is None and (self.runner.windowed or (t > 1 and not self.runner.ragged)):",
+        "        if attention_mask is None and self.runner.windowed:",
         "tests/test_decode.py::test_greedy_equals_transformers_generate",
     ),
     (
@@ -2011,6 +2011,62 @@ BUGS = [
         "        if features is not None and len(wanted) < len(features):",
         "        if False:",
         "tests/test_runner.py::test_float64_logits_and_features_equal_transformers",
+    ),
+    (
+        "layers.cpp: Gemma's attention output added without its post-norm",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "    if (L.p1) rms_norm(w.o + r * hidden",
+        "    if (false) rms_norm(w.o + r * hidden",
+        "tests/test_runner_gemma.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "layers.cpp: Gemma's MLP output added without its post-norm",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "    if (L.p2) rms_norm(w.down + r * hidden",
+        "    if (false) rms_norm(w.down + r * hidden",
+        "tests/test_runner_gemma.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "layers.cpp: Gemma's MLP with SiLU for gelu_tanh",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "(m.gemma ? gelu_mul : silu_mul)(",
+        "(silu_mul)(",
+        "tests/test_runner_gemma.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "layers.cpp: Gemma's sliding layers rotate with the global RoPE table",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "rope(v, (L.sliding ? w.lcos : w.cos) + r * d, (L.sliding ? w.lsin : w.sin) + r * d, d, vector);",
+        "rope(v, w.cos + r * d, w.sin + r * d, d, vector);",
+        "tests/test_runner_gemma.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "layers.cpp: Gemma's sliding layers see past their window",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "team_attention(m, w, cache, L.sliding ? w.lmask : w.mask, scratch);",
+        "team_attention(m, w, cache, w.mask, scratch);",
+        "tests/test_runner_gemma.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "layers.cpp: Gemma's embedding rows not scaled",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "e[i] = bf16(static_cast<float>(e[i]) * m.embed_scale);",
+        "e[i] = bf16(static_cast<float>(e[i]));",
+        "tests/test_runner_gemma.py::test_native_layers_agree_with_the_torch_layers",
+    ),
+    (
+        "layers.cpp: Gemma's norm on 8 lanes rounds the normed value before the weight (the scalar once)",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "store_bf16(y + i, _mm256_mul_ps(_mm256_mul_ps(load_bf16(x + i), s), _mm256_loadu_ps(g + i)));",
+        "store_bf16(y + i, _mm256_mul_ps(rb8(_mm256_mul_ps(load_bf16(x + i), s)), _mm256_loadu_ps(g + i)));",
+        "tests/test_runner_gemma.py::test_native_layers_give_the_same_bits_on_every_path",
+    ),
+    (
+        "layers.cpp: gelu_tanh's cube on 8 lanes rounded to bf16 (the scalar one is not)",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(a, a), a), _mm256_set1_ps(0.044715f));",
+        "const __m256 cube = rb8(_mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(a, a), a), _mm256_set1_ps(0.044715f)));",
+        "tests/test_runner_gemma.py::test_the_mlps_gate_gives_one_set_of_bits_on_every_path_and_the_functions_values",
     ),
 ]
 

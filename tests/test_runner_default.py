@@ -98,21 +98,20 @@ def test_our_cpu_kernels_are_not_the_default_on_other_devices():
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_on_any_cpu_our_kernels_run_the_default_in_bf16(native_bf16, monkeypatch):
     """Our kernels and C++ layers never use torch's bf16 matmuls, so a CPU without native bf16 (AVX2 only)
-    gets them too: bf16 activations on a GGUF's own blocks. Only where torch's ops carry the layers (the
-    transformers target, Gemma 3's layers) does `auto` follow torch's bf16 (float32 without it)."""
+    gets them too: bf16 activations on a GGUF's own blocks, Gemma 3's as well as a Llama's. Only where
+    torch's ops carry the layers (the transformers target, no compiler) does `auto` follow torch's bf16
+    (float32 without it)."""
     import flashdraft.models.target as target_mod
 
     monkeypatch.setattr(target_mod, "cpu_has_fast_bf16", lambda: native_bf16)
     torch_dtype = torch.bfloat16 if native_bf16 else torch.float32
     stored = Quantization("q4_1", "q8_0")
-    for family in ("llama", "qwen3"):
+    for family in ("llama", "qwen3", "gemma3_text"):
         c = choose("cpu", "auto", "auto", "native", family, stored)
         assert (c.dtype, c.quantization, c.kernels) == (torch.bfloat16, stored, kernels.path_name())
         assert choose("cpu", "auto", "auto", "native", family).quantization == Quantization("q8_0", "q8_0")
         dense = choose("cpu", "auto", "none", "native", family)  # torch's dense GEMMs
         assert (dense.dtype, dense.quantization, dense.kernels) == (torch_dtype, Quantization(), "torch")
-    gemma = choose("cpu", "auto", "auto", "native", "gemma3_text", stored)
-    assert gemma.dtype == torch_dtype and gemma.quantization == (stored if native_bf16 else Quantization())
     hf = choose("cpu", "auto", "auto", "transformers", "llama")
     assert (hf.runner, hf.dtype, hf.quantization) == ("transformers", torch_dtype, None)
     assert choose("cpu", "float32", "auto", "native", "llama").quantization == Quantization()  # as asked

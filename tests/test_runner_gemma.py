@@ -14,6 +14,7 @@ import torch
 import transformers as tf
 from conftest import make_draft
 from test_runner import (
+    OURS,
     QUANT,
     check_dflash_equals_plain,
     check_float64_equals_transformers,
@@ -23,7 +24,8 @@ from test_runner import (
 )
 
 from flashdraft import Target
-from flashdraft.models.runner import RunnerTarget
+from flashdraft.models.masks import DEAD
+from flashdraft.models.runner import RunnerTarget, kernels
 
 # The float64 models' layers, with a window of 4 positions (`gemma`).
 KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -112,6 +114,79 @@ def test_quantized_verify_rows_equal_one_token_steps_bitwise(quantize):
 @pytest.mark.parametrize("quantize", QUANT)
 def test_quantized_row_does_not_depend_on_its_batch(quantize):
     check_row_does_not_depend_on_its_batch(gemma_270m_shaped(quantize), quantize)
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@torch.inference_mode()
+def test_native_layers_agree_with_the_torch_layers():
+    """Gemma 3's layers in the C++ call (kernels/layers.cpp: norms of 1 + weight in float32 before and
+    after each block and on every head's q and k, gelu_tanh, the embedding rows scaled, the sliding
+    layers' own RoPE table and window) compute what `Layer`'s torch ops compute: against the dense float32
+    model, their features and logits are as close as the torch ops' on the same q8_0 weights. 48 tokens
+    over a window of 16, so the window and both tables matter."""
+    run = gemma_270m_shaped("q8_0")
+    assert run.runner.handle is not None and run.runner.ragged
+    dense = RunnerTarget.from_target(run.reference, "none", torch.float32)
+    g = torch.Generator().manual_seed(3)
+    ids, pos = torch.randint(0, 256, (2, 48), generator=g), torch.arange(48).expand(2, -1)
+    want = dense.forward(ids, pos, dense.new_cache(), features=[0, 1, 2])
+    errors = {}
+    for fused in (True, False):
+        run.runner.fused = fused
+        got = run.forward(ids, pos, run.new_cache(), features=[0, 1, 2])
+        errors[fused] = [(g.float() - w).abs().mean().item() for g, w in zip(got, want, strict=True)]
+    run.runner.fused = True
+    for native, torch_ops in zip(errors[True], errors[False], strict=True):
+        assert native < 1.25 * torch_ops, errors
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+def test_native_layers_give_the_same_bits_on_every_path():
+    """Gemma 3's C++ layers on the scalar reference path, AVX2 and AVX-512 (where the CPU runs them):
+    equal logits and features, in causal order and with masks (odd rows left-padded)."""
+    from test_kernels import runnable
+
+    run = gemma_270m_shaped("q4_1")
+    g = torch.Generator().manual_seed(0)
+    ids, pos = torch.randint(0, 256, (4, 40), generator=g), torch.arange(40).expand(4, -1)
+    padded = pos - torch.tensor([[0], [10]]).repeat(2, 1)  # odd rows: 10 slots of padding, then 30 tokens
+    mask = run.attention_mask(padded.clamp_min(0), torch.where(padded >= 0, padded, DEAD))
+    outs = []
+    try:
+        for path in runnable():
+            kernels.force(path)
+            outs.append(run.forward(ids, pos, run.new_cache(), features=[0, 1]))
+            outs.append(run.forward(ids, padded.clamp_min(0), run.new_cache(), attention_mask=mask))
+    finally:
+        kernels.force("auto")
+    for i, path in enumerate(runnable()):
+        (logits, feats), (masked, _) = outs[2 * i], outs[2 * i + 1]
+        assert torch.equal(logits, outs[0][0]) and torch.equal(feats, outs[0][1]), path
+        assert torch.equal(masked, outs[1][0]), path
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_the_mlps_gate_gives_one_set_of_bits_on_every_path_and_the_functions_values(gelu):
+    """The MLP's gate in the C++ layers (SiLU for Llama, gelu_tanh for Gemma 3, each with our own exp), on
+    every bf16 value: the vector paths give the scalar reference's bits (a whole forward hides a last-bit
+    difference here: the product is rounded to bf16, then quantized to int8 for the next GEMM), and the
+    values are the functions' (float64) to bf16's rounding wherever an activation can be (|x| < 64)."""
+    from test_kernels import runnable
+
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = gate[torch.isfinite(gate)]
+    up = torch.ones_like(gate)  # the gate's own value comes out (times 1)
+    gu = torch.cat([gate, up])[None]
+    outs = {path: torch.ops.flashdraft.gated(gu, gelu, kernels.PATHS[path]) for path in runnable()}
+    for path, out in outs.items():
+        assert torch.equal(out, outs["reference"]), path
+    a = gate.double()
+    z = 2 * (2 / torch.pi) ** 0.5 * (a + 0.044715 * a**3) if gelu else a
+    exact = a * torch.sigmoid(z)
+    near = a.abs() < 64
+    err = (outs["reference"][0].double() - exact).abs()[near]
+    assert (err <= 2**-8 * exact.abs()[near] + 1e-30).all(), err.max().item()
 
 
 def test_float64_dflash_through_runner_equals_plain_decoding():

@@ -3,11 +3,11 @@ weights and the kernel path that computes them (`choose`). The next CPU or file 
 
 The rules, for `--dtype auto` and `--quantize auto`:
 - On the CPU, where our kernels built and the native runner runs the model's layers in one C++ call
-  (the Llama / Qwen families): bfloat16 activations on quantized weights (a GGUF's own Q4_1 / Q8_0, q8_0
+  (the Llama / Qwen and Gemma 3 families): bfloat16 activations on quantized weights (a GGUF's own Q4_1 / Q8_0, q8_0
   for other checkpoints), on every CPU our kernels run on, AVX2 included. This is the exact combination
   (a verify row equals a one-token step bitwise), and our kernels never use torch's bf16 matmuls, so a CPU
   without native bf16 runs it at full speed (a Zen 3 EPYC: 1.77x llama.cpp, where dense float32 ran 0.19x).
-- Where torch's own ops carry the layers (the transformers target, Gemma 3's layers, no compiler): bf16
+- Where torch's own ops carry the layers (the transformers target, no compiler): bf16
   only where torch's bf16 is native (`cpu_has_fast_bf16`: avx512_bf16 / amx_bf16; elsewhere torch
   emulates it, about 25x slower than float32), float32 otherwise; with bf16, torch's int8 weights.
 - On a GPU: bf16 activations, torch's int8 weights (our kernels read CPU memory).
@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft.models import target
-from flashdraft.models.runner import QUANTIZE, Quantization, kernels, llama
+from flashdraft.models.runner import QUANTIZE, Quantization, gemma, kernels, llama
 from flashdraft.models.target import TargetError
 
-ONE_CALL = frozenset(llama.FAMILIES)  # families whose layers our kernels run in one C++ call (layers.cpp)
+# families whose layers our kernels run in one C++ call (layers.cpp)
+ONE_CALL = frozenset(llama.FAMILIES + gemma.FAMILIES)
 OURS = (*kernels.KINDS, "gguf")  # the weights our kernels run
 
 

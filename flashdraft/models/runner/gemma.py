@@ -11,6 +11,10 @@ query_pre_attn_scalar ** -0.5, not head_dim ** -0.5; and two kinds of layers, ea
 table: sliding layers (the local base) see the last `sliding_window` positions, full layers (the global
 base) everything. The cache keeps every slot on every layer (slots are not positions in a batch), so
 the window is applied by the masks, counting positions as `Target.attention_mask` does.
+
+On our kernels with bf16 activations the layers run as one C++ call (kernels/layers.cpp, as a Llama's):
+the same ops with its own numerics (norm statistics, gelu_tanh through our own exp), so its bits are not
+these torch ops' but agree with them as closely against float32 (tests/test_runner_gemma.py).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.models import masks
-from flashdraft.models.ops import rope_tables, rotate
+from flashdraft.models.ops import RopeTable, rope_tables, rotate
 from flashdraft.models.runner import llama
 from flashdraft.models.runner.cache import KVCache
 from flashdraft.models.runner.quant import NO_BLOCKS, Quantization, StoredBlocks, make_linear
@@ -74,8 +78,10 @@ class Layer(nn.Module):
         return x + rms_norm(self.down(F.gelu(gate, approximate="tanh") * up), self.post_mlp, eps)
 
 
-class Runner(nn.Module):
-    """The decoder: scaled embedding, sliding and full layers, final norm and head."""
+class Runner(llama.Runner):
+    """The decoder: scaled embedding, sliding and full layers, final norm and head. On our kernels with
+    bf16 activations the layers run as one C++ call, as a Llama's (kernels/layers.cpp computes Gemma's
+    norms, MLP and two kinds of layers too); `Layer`'s torch ops otherwise."""
 
     windowed = True  # sliding layers: even a single query needs a mask (the window)
 
@@ -106,7 +112,7 @@ class Runner(nn.Module):
         dtype: torch.dtype,
         stored: StoredBlocks = NO_BLOCKS,
     ):
-        super().__init__()
+        nn.Module.__init__(self)
         cfg = hf_model.config.get_text_config()  # a multimodal Gemma 3's text part runs here too
         decoder = hf_model.get_decoder()
         self.embed = decoder.embed_tokens.weight.detach().to(dtype)  # raw rows: `RunnerTarget.embed`
@@ -126,6 +132,33 @@ class Runner(nn.Module):
             for kind in set(self.kinds)
         }
         self.window = cfg.sliding_window
+        self.tables = {kind: RopeTable(*rope, dtype) for kind, rope in self.ropes.items()}  # the C++ call's
+        self.go_native(dtype)
+
+    def native_layers(self, dtype: torch.dtype) -> int | None:
+        """As `llama.Runner.native_layers`, with Gemma's norms (1 + weight, float32), its post-norms and
+        which layers slide."""
+        if not llama.on_our_kernels(self.layers, dtype):
+            return None
+        tensors, shapes = [], []
+        for lay in self.layers:
+            tensors += [lay.pre_attn, lay.pre_mlp, lay.q_norm, lay.k_norm]
+            llama.linear_parts(lay, tensors, shapes)
+            tensors += [lay.post_attn, lay.post_mlp]
+        lay, sliding = self.layers[0], [kind == "sliding_attention" for kind in self.kinds]
+        return torch.ops.flashdraft.gemma_new(
+            tensors, shapes, sliding, lay.heads, lay.kv_heads, lay.head_dim, lay.eps, lay.scale,
+            float(self.embed_scale),
+        )  # fmt: skip
+
+    def native_tables(self) -> list[RopeTable]:
+        """The global layers' table, then the sliding layers' (if any)."""
+        full, local = self.tables.get("full_attention"), self.tables.get("sliding_attention")
+        return [full or local] + ([local] if local else [])
+
+    def native_masks(self, mask: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        window = mask["sliding_attention"] if "sliding_attention" in self.kinds else None
+        return mask["full_attention"], window
 
     def attention_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> dict[str, torch.Tensor]:
         """{layer kind: (B, 1, Q, S) additive float32 mask}: query i of row b sees slot j iff
@@ -134,20 +167,9 @@ class Runner(nn.Module):
         query)."""
         return masks.positional(q_pos, k_pos, window=self.window, kinds=True)
 
-    ragged = False  # every token of the block is computed, `lengths` or not
-
-    def forward(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        start: int,
-        mask,
-        features,
-        lengths=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The final-normed hidden states (B, T, H) and the `features` (`llama.concat_features`). `mask`:
-        what `attention_mask` gives (`RunnerTarget.forward` always passes one: `windowed`)."""
+    def torch_forward(self, ids, positions, cache, start, mask, features):
+        """`forward` as torch ops (`Layer`). `mask`: what `attention_mask` gives (`RunnerTarget.forward`
+        always passes one: `windowed`)."""
         x = F.embedding(ids, self.embed) * self.embed_scale
         tables = {kind: rope_tables(positions, *rope, x.dtype) for kind, rope in self.ropes.items()}
         caught = {}

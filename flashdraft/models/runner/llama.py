@@ -149,8 +149,12 @@ class Runner(nn.Module):
         self.inv_freq = rotary.inv_freq.detach().float()
         self.rope_scale = float(rotary.attention_scaling)
         self.ropes: dict[torch.dtype, RopeTable] = {}
+        self.go_native(dtype)
+
+    def go_native(self, dtype: torch.dtype) -> None:
+        """Registers the layers as one C++ call (`handle`, see `native_layers`) and notes whether the head
+        runs in it too (`fused_head`: on our kernels, bf16)."""
         self.handle, self.fused = self.native_layers(dtype), True
-        # the head in the layers' C++ call (`forward_head`): on our kernels, bf16
         self.fused_head = isinstance(self.head, BlockLinear) and self.head.dtype == torch.bfloat16
         bias = getattr(self.head, "bias", None)
         self._head_bias = torch.empty(0, dtype=dtype) if bias is None else bias.data.contiguous()
@@ -159,17 +163,14 @@ class Runner(nn.Module):
         """The layers as one C++ call (kernels/layers.cpp), where it computes them: bf16 activations and
         every linear on our kernels; None otherwise (the torch ops of `Layer` run). Set `fused` False
         to run `Layer` anyway (the tests compare the two)."""
-        linears = [(lay.qkv, lay.o, lay.gate_up, lay.down) for lay in self.layers]
-        if dtype != torch.bfloat16 or not all(isinstance(x, BlockLinear) for ls in linears for x in ls):
+        if not on_our_kernels(self.layers, dtype):
             return None
         none = torch.empty(0)
         tensors, shapes = [], []
-        for lay, ls in zip(self.layers, linears, strict=True):
+        for lay in self.layers:
             qn, kn = lay.qk_norm or (none, none)
             tensors += [lay.norm1, lay.norm2, qn, kn]
-            for x in ls:
-                tensors += [x.packed, x.scales, none if x.bias is None else x.bias.data]
-                shapes += [x.out_features, kernels.KINDS[x.kind]]
+            linear_parts(lay, tensors, shapes)
         lay = self.layers[0]
         return torch.ops.flashdraft.llama_new(
             tensors, shapes, lay.heads, lay.kv_heads, lay.head_dim, lay.eps, lay.scale
@@ -228,21 +229,43 @@ class Runner(nn.Module):
         V) where the C++ call applies the head itself (on our kernels, no `lengths`), else None: the
         caller applies `head`. (A plain step's head as its own torch op ran with the caches the layers
         had just swept.)"""
-        if self.ragged:  # the final norm and the features' concatenation too (the layers' eps: the config's)
-            # and the lookups of the embeddings and RoPE rows (in `llama_forward`, from the whole tables)
-            table = self.table(self.embed.dtype)
-            args = (cache.k, cache.v, start, mask, lengths, list(features), kernels.path(), self.norm)
-            head = self.head if keep and lengths is None and self.fused_head else None
-            tail = (
-                [] if head is None else [head.packed, head.scales, self._head_bias],
-                [] if head is None else [head.out_features, kernels.KINDS[head.kind], keep],
+        if not self.ragged:
+            return *self.torch_forward(ids, positions, cache, start, mask, features), None
+        # the final norm and the features' concatenation in the call too (the layers' eps: the config's),
+        # and the lookups of the embeddings and RoPE rows (in `llama_forward`, from the whole tables)
+        tables = self.native_tables()
+        full, window = self.native_masks(mask)
+        args = (cache.k, cache.v, start, full, lengths, list(features), kernels.path(), self.norm)
+        head = self.head if keep and lengths is None and self.fused_head else None
+        tail = (
+            [] if head is None else [head.packed, head.scales, self._head_bias],
+            [] if head is None else [head.out_features, kernels.KINDS[head.kind], keep],
+        )
+
+        def call(ropes, pos):  # ropes: (cos, sin) of each table; the local ones go with the window's mask
+            local = [] if window is None else [*ropes[1], window]
+            return torch.ops.flashdraft.llama_forward(
+                self.handle, ids, *ropes[0], *args, self.embed, pos, *tail, local
             )
-            call = torch.ops.flashdraft.llama_forward
-            out = call(self.handle, ids, table.cos, table.sin, *args, self.embed, positions, *tail)
-            if not out:  # a position past the table (nothing written): grown to it, or, below 0, made here
-                (cos, sin), pos = table.whole_or_rows(positions)
-                out = call(self.handle, ids, cos, sin, *args, self.embed, pos, *tail)
-            return out[0], out[1] if features else None, out[-1] if head is not None else None
+
+        out = call([(t.cos, t.sin) for t in tables], positions)
+        if not out:  # a position past a table (nothing written): grown to it, or, below 0, made here
+            grown = [t.whole_or_rows(positions) for t in tables]
+            out = call([rows for rows, _ in grown], grown[0][1])
+        return out[0], out[1] if features else None, out[-1] if head is not None else None
+
+    def native_tables(self) -> list[RopeTable]:
+        """The RoPE tables the C++ call looks positions up in: the layers' (Gemma 3: the global layers',
+        then the sliding layers')."""
+        return [self.table(self.embed.dtype)]
+
+    @staticmethod
+    def native_masks(mask) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the layers' mask, the sliding layers' mask or None) from what `attention_mask` made."""
+        return mask, None
+
+    def torch_forward(self, ids, positions, cache, start, mask, features):
+        """`forward` as torch ops (`Layer`), where the C++ call does not run."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions, x.dtype)
         caught = {}
@@ -250,9 +273,21 @@ class Runner(nn.Module):
             x = layer(x, cos, sin, cache, i, start, mask)
             if i in features:
                 caught[i] = x
-        return *concat_features(
-            caught, rms_norm(x, self.norm, self.eps), features, len(self.layers) - 1
-        ), None
+        return concat_features(caught, rms_norm(x, self.norm, self.eps), features, len(self.layers) - 1)
+
+
+def on_our_kernels(layers, dtype: torch.dtype) -> bool:
+    """Whether the C++ call computes these layers: bf16 activations and every linear on our kernels."""
+    linears = [x for lay in layers for x in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+    return dtype == torch.bfloat16 and all(isinstance(x, BlockLinear) for x in linears)
+
+
+def linear_parts(layer, tensors: list, shapes: list) -> None:
+    """Appends a layer's linears (qkv, o, gate_up, down) as the C++ call takes them: packed, scales and
+    bias (empty if none) to `tensors`, outputs and kind to `shapes`."""
+    for x in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        tensors += [x.packed, x.scales, torch.empty(0) if x.bias is None else x.bias.data]
+        shapes += [x.out_features, kernels.KINDS[x.kind]]
 
 
 def concat_features(

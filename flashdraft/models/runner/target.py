@@ -150,10 +150,10 @@ class RunnerTarget:
             )
         b, t = input_ids.shape
         start = cache.reserve(b, t)
-        if attention_mask is None and (t > 1 or self.runner.windowed) and not self.runner.ragged:
+        if attention_mask is None and (self.runner.windowed or (t > 1 and not self.runner.ragged)):
             # Causal over slots in position order: slot j holds position j + (positions[0] - start).
             # (The C++ layers take that order without a mask: each query reads only the slots it sees,
-            # half of a prompt's square of scores, with the bits the mask gives.)
+            # half of a prompt's square of scores, with the bits the mask gives; but a window needs one.)
             slots = torch.arange(start + t, device=input_ids.device)
             attention_mask = self.attention_mask(positions, slots[None] + (positions[:, :1] - start))
         n = None if lengths is None else torch.tensor(lengths, dtype=torch.long)

@@ -1,5 +1,5 @@
 """flashdraft's own CPU kernels (C++ beside this file: the GEMM in `qgemm.cpp`, a Llama-family model's
-layers in one call in `layers.cpp`, the greedy choice over logits in `argmax.cpp`), built on first use
+layers (and Gemma 3's) in one call in `layers.cpp`, the greedy choice over logits in `argmax.cpp`), built on first use
 and cached.
 
 `available()` compiles the kernels once per source and torch version (about 20 s; the line that says

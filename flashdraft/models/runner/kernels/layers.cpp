@@ -1,12 +1,15 @@
-// The decoder layers of a Llama / Qwen2 / Qwen3 model in one call, so no Python runs between ops
-// (llama.py's `Layer` is the same computation, op by op, on torch; it stays the reference and runs
-// everything this file does not: dense or torch-quantized weights, other dtypes, Gemma 3).
+// The decoder layers of a Llama / Qwen2 / Qwen3 or Gemma 3 model in one call, so no Python runs between
+// ops (llama.py's and gemma.py's `Layer` are the same computation, op by op, on torch; they stay the
+// reference and run everything this file does not: dense or torch-quantized weights, other dtypes).
+// Gemma 3 differs in a few ops, each a flag of the model or layer: its norms (1 + weight in float32,
+// one rounding), a norm after the attention and after the MLP, gelu_tanh for SiLU, the embedding rows
+// scaled, and sliding-window layers with a RoPE table and a mask of their own (`local`).
 //
 // Numerics: activations are bfloat16 between ops, as on torch; each op computes in float32 and rounds
 // once (`rb`). Every row (a token of a batch row) is computed by the same sequence of operations
 // whatever else is in the call, so a verify row equals a one-token step and a row does not depend on
 // its batch, by construction:
-//   - norms, RoPE, SiLU and residuals are row-local; a norm's sum of squares runs in 8 lanes with a
+//   - norms, RoPE, SiLU / gelu_tanh and residuals are row-local; a norm's sum of squares runs in 8 lanes with a
 //     fixed final tree (`tree8`);
 //   - the GEMMs are qgemm.cpp's (fixed order per output);
 //   - attention, per query and head: scores in 8 lanes and `tree8`, the softmax's sum and the
@@ -102,15 +105,35 @@ struct Linear {
   }
 };
 
+// An RMSNorm's weight, in one of the two ways the families scale: Llama's bf16 weight `w` times the
+// normed value rounded to bf16 (llama.py's rms_norm), or Gemma's 1 + weight in float32 `g`, normed and
+// scaled in float32 and rounded once (gemma.py's). Neither: no norm.
+struct Norm {
+  const bf16* w = nullptr;
+  const float* g = nullptr;
+  explicit operator bool() const { return w || g; }
+};
+
+// The norm held in t: bf16 (Llama's weight), float32 (Gemma's 1 + weight), or none if empty.
+Norm norm_of(const at::Tensor& t) {
+  if (!t.defined() || !t.numel()) return {};
+  return t.scalar_type() == at::kFloat ? Norm{nullptr, t.data_ptr<float>()} : Norm{t.data_ptr<bf16>(), nullptr};
+}
+
 struct Layer {
-  at::Tensor norm1, norm2, qnorm, knorm;  // qnorm / knorm empty but for Qwen3
+  at::Tensor norm1, norm2, qnorm, knorm;  // qnorm / knorm empty but for Qwen3 and Gemma 3
   Linear qkv, o, gate_up, down;
+  at::Tensor post1, post2;  // Gemma 3: the norms of the attention's and the MLP's outputs (else empty)
+  bool sliding = false;     // Gemma 3's sliding-window layers: the local RoPE table and the window's mask
+  Norm n1, n2, qn, kn, p1, p2;  // the norms' weights, as `rms_norm` takes them
 };
 
 struct Model {
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
   std::vector<Layer> layers;
+  bool gemma = false;      // Gemma 3: post-norms, gelu_tanh, float32 norms, scaled embeddings
+  float embed_scale = 1;   // Gemma 3: the embedding rows' factor (sqrt(hidden) in bf16)
 };
 
 std::vector<std::unique_ptr<Model>> models;  // a handle is an index here
@@ -148,16 +171,29 @@ __attribute__((target("avx2,fma"))) int64_t scale_avx2(const bf16* x, const bf16
   return i;
 }
 
-// y = w * norm(x) per row of `width` (x and y may be the same), as llama.py's rms_norm: the statistic
-// in float32 (`sumsq`), the normed value rounded to bf16, then times the weight.
-void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t width, int64_t stride, double eps,
-              bool vector) {
+// y = (x * inv) * g in float32, rounded once, 8 at a time (Gemma's norm).
+__attribute__((target("avx2,fma"))) int64_t scale_f32_avx2(const bf16* x, const float* g, bf16* y, int64_t n,
+                                                          float inv) {
+  const __m256 s = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store_bf16(y + i, _mm256_mul_ps(_mm256_mul_ps(load_bf16(x + i), s), _mm256_loadu_ps(g + i)));
+  return i;
+}
+
+// y = norm(x) per row of `width` (x and y may be the same): the statistic in float32 (`sumsq`), then
+// scaled as `Norm` says.
+void rms_norm(const bf16* x, Norm w, bf16* y, int64_t rows, int64_t width, int64_t stride, double eps, bool vector) {
   for (int64_t r = 0; r < rows; ++r) {
     const bf16* xr = x + r * stride;
     bf16* yr = y + r * stride;
     const float inv = 1.f / std::sqrt(sumsq(xr, width, vector) / static_cast<float>(width) + static_cast<float>(eps));
-    int64_t i = vector ? scale_avx2(xr, w, yr, width, inv) : 0;
-    for (; i < width; ++i) yr[i] = bf16(static_cast<float>(w[i]) * rb(static_cast<float>(xr[i]) * inv));
+    if (w.g) {
+      int64_t i = vector ? scale_f32_avx2(xr, w.g, yr, width, inv) : 0;
+      for (; i < width; ++i) yr[i] = bf16(static_cast<float>(xr[i]) * inv * w.g[i]);
+      continue;
+    }
+    int64_t i = vector ? scale_avx2(xr, w.w, yr, width, inv) : 0;
+    for (; i < width; ++i) yr[i] = bf16(static_cast<float>(w.w[i]) * rb(static_cast<float>(xr[i]) * inv));
   }
 }
 
@@ -473,6 +509,31 @@ void silu_mul(const bf16* gu, bf16* out, int64_t n, int64_t lo, int64_t hi, bool
   }
 }
 
+// gelu_tanh(gate) * up (Gemma's MLP), as `silu_mul`: gelu_tanh(a) = 0.5 a (1 + tanh(z)) with
+// z = sqrt(2 / pi) (a + 0.044715 a^3), which is a / (1 + exp(-2 z)): SiLU's form, with our own exp.
+__attribute__((target("avx2,fma"))) int64_t gelu_mul_avx2(const bf16* gu, bf16* out, int64_t n, int64_t lo,
+                                                         int64_t hi) {
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) {
+    const __m256 a = load_bf16(gu + i);
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(a, a), a), _mm256_set1_ps(0.044715f));
+    const __m256 z2 = _mm256_mul_ps(_mm256_add_ps(cube, a), _mm256_set1_ps(1.5957691216f));
+    const __m256 e = fexp8(_mm256_sub_ps(_mm256_setzero_ps(), z2));
+    const __m256 gelu = rb8(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    store_bf16(out + i, _mm256_mul_ps(gelu, load_bf16(gu + n + i)));
+  }
+  return i;
+}
+
+void gelu_mul(const bf16* gu, bf16* out, int64_t n, int64_t lo, int64_t hi, bool vector) {
+  int64_t i = vector ? gelu_mul_avx2(gu, out, n, lo, hi) : lo;
+  for (; i < hi; ++i) {
+    const float a = static_cast<float>(gu[i]);
+    const float z2 = (a * a * a * 0.044715f + a) * 1.5957691216f;  // 2 z
+    out[i] = bf16(rb(a / (1.f + fexp(-z2))) * static_cast<float>(gu[n + i]));
+  }
+}
+
 // ---- the layer, run by a team of threads ------------------------------------------------------------
 // One OpenMP team runs the whole forward (`llama_forward`), so no thread is started per op: each op
 // below is a worksharing loop over rows, heads, blocks or tiles, ending at the team's barrier. GEMM
@@ -493,6 +554,9 @@ struct Work {
   const int64_t* slot = nullptr;
   const int64_t* packed = nullptr;
   int64_t live = 0;  // activation rows: b * t, or the live tokens
+  // Gemma 3's sliding-window layers: their RoPE rows (the local table's) and their mask (the window's)
+  const bf16 *lcos = nullptr, *lsin = nullptr;
+  const float* lmask = nullptr;
 
   int64_t token(int64_t j) const { return slot ? slot[j] : j; }
   int64_t row(int64_t r) const { return packed ? packed[r] : r; }
@@ -534,7 +598,7 @@ struct Cache {
 // queries at each token, up to 16, so a chunk converts the slots once for many queries). Each query's
 // output head is quantized for the output projection where it is made (`heads`' blocks of 32 hold no
 // two heads' values when head_dim is a multiple of 32; else a loop after the attention does it).
-void team_attention(const Model& m, Work& w, Cache cache, Scratch& scratch) {
+void team_attention(const Model& m, Work& w, Cache cache, const float* mask, Scratch& scratch) {
   const int64_t h = m.heads, kvh = m.kv_heads, d = m.head_dim, width = (h + 2 * kvh) * d, t = w.t;
   const int64_t end = w.start + t, group = h / kvh, nq = group * t, threads = omp_get_num_threads();
   const int64_t want = std::min(nq, std::max((nq + 15) / 16, (2 * threads + w.b * kvh - 1) / (w.b * kvh)));
@@ -552,11 +616,11 @@ void team_attention(const Model& m, Work& w, Cache cache, Scratch& scratch) {
       if (j < 0) continue;  // a dead token of a ragged forward
       qs[n] = w.qkv + j * width + head * d;
       outs[n] = w.att + j * h * d + head * d;
-      masks[n] = w.mask ? w.mask + r * end : nullptr;
+      masks[n] = mask ? mask + r * end : nullptr;
       visible[n++] = w.causal ? w.start + tok : w.start + t - 1;
     }
     if (!n) continue;
-    const int64_t base = (row * kvh + g) * w.cap * d, kend = w.mask ? end : visible[n - 1] + 1;
+    const int64_t base = (row * kvh + g) * w.cap * d, kend = mask ? end : visible[n - 1] + 1;
     attend(m, qs, n, cache.k + base, cache.v + base, kend, visible, masks, outs, w.path != REFERENCE, scratch);
     if (d % 32) continue;
     for (int i = 0; i < n; ++i) {  // query i's head: blocks (out - att) / 32 .. of the heads' activations
@@ -575,14 +639,14 @@ void team_attention(const Model& m, Work& w, Cache cache, Scratch& scratch) {
 // separates the layers.
 struct Next {
   bf16* copy = nullptr;         // a wanted layer's output: the features (b * t, stride), at the row's token
-  const bf16* norm = nullptr;   // the next layer's norm1, the model's final norm, or none
+  Norm norm;                    // the next layer's norm1, the model's final norm, or none
   Acts* acts = nullptr;         // where the normed rows are quantized (none after the final norm)
   bf16* normed = nullptr;       // where the normed rows are copied too (the final norm's, a feature)
   int64_t stride = 0;           // the features' row width
 };
 
 // Row r of w.x: normed by `norm` into w.hx and quantized into `acts` (if any).
-void norm_row(const Model& m, Work& w, const bf16* norm, Acts* acts, int64_t r, int64_t hidden) {
+void norm_row(const Model& m, Work& w, Norm norm, Acts* acts, int64_t r, int64_t hidden) {
   rms_norm(w.x + r * hidden, norm, w.hx + r * hidden, 1, hidden, hidden, m.eps, w.path != REFERENCE);
   if (acts) quantize_row(w.hx, hidden, r, *acts, w.path);
 }
@@ -601,16 +665,15 @@ void layer_team(const Model& m, const Layer& L, Work& w, Cache cache, int64_t hi
   for (int64_t i = 0; i < rows * (h + kvh); ++i) {  // q and k heads: Qwen3's norms, RoPE; keys, values cached
     const int64_t j = i / (h + kvh), head = i % (h + kvh), r = w.token(j);
     bf16* v = w.qkv + j * width + head * d;
-    if (L.qnorm.numel())
-      rms_norm(v, (head < h ? L.qnorm : L.knorm).data_ptr<bf16>(), v, 1, d, d, m.eps, vector);
-    rope(v, w.cos + r * d, w.sin + r * d, d, vector);
+    if (L.qn) rms_norm(v, head < h ? L.qn : L.kn, v, 1, d, d, m.eps, vector);
+    rope(v, (L.sliding ? w.lcos : w.cos) + r * d, (L.sliding ? w.lsin : w.sin) + r * d, d, vector);
     if (head >= h) {  // (row, kv head, slot)
       const int64_t at_ = ((r / w.t * kvh + head - h) * w.cap + w.start + r % w.t) * d;
       std::memcpy(cache.k + at_, v, d * sizeof(bf16));
       std::memcpy(cache.v + at_, v + kvh * d, d * sizeof(bf16));
     }
   }
-  team_attention(m, w, cache, scratch);
+  team_attention(m, w, cache, L.sliding ? w.lmask : w.mask, scratch);
   output_team(m, L, w, hidden, next);
 }
 
@@ -622,19 +685,21 @@ void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden, const 
   team_gemm(w.heads, L.o, w.o, path);
 #pragma omp for
   for (int64_t r = 0; r < rows; ++r) {
+    if (L.p1) rms_norm(w.o + r * hidden, L.p1, w.o + r * hidden, 1, hidden, hidden, m.eps, vector);  // Gemma 3
     add(w.x + r * hidden, w.o + r * hidden, hidden);
-    norm_row(m, w, L.norm2.data_ptr<bf16>(), &w.hidden, r, hidden);
+    norm_row(m, w, L.n2, &w.hidden, r, hidden);
   }
   team_gemm(w.hidden, L.gate_up, w.gu, path);  // (rows, 2 inter): gate, then up
 #pragma omp for
-  for (int64_t i = 0; i < rows * w.inter.blocks; ++i) {  // SiLU(gate) * up, a block of 32 at a time
+  for (int64_t i = 0; i < rows * w.inter.blocks; ++i) {  // SiLU(gate) * up (Gemma: gelu), a block of 32 at a time
     const int64_t r = i / w.inter.blocks, lo = (i % w.inter.blocks) * 32, hi = std::min(inter, lo + 32);
-    silu_mul(w.gu + r * 2 * inter, w.act + r * inter, inter, lo, hi, vector);
+    (m.gemma ? gelu_mul : silu_mul)(w.gu + r * 2 * inter, w.act + r * inter, inter, lo, hi, vector);
     quantize_act(w.act, inter, i, path, w.inter);
   }
   team_gemm(w.inter, L.down, w.down, path);
 #pragma omp for
   for (int64_t r = 0; r < rows; ++r) {
+    if (L.p2) rms_norm(w.down + r * hidden, L.p2, w.down + r * hidden, 1, hidden, hidden, m.eps, vector);
     add(w.x + r * hidden, w.down + r * hidden, hidden);
     if (next.copy) std::memcpy(next.copy + w.token(r) * next.stride, w.x + r * hidden, hidden * sizeof(bf16));
     if (next.norm) norm_row(m, w, next.norm, next.acts, r, hidden);
@@ -660,7 +725,7 @@ void draft_layer_team(const Model& m, const Layer& L, Work& w, Cache cache, Acts
     const int64_t r = context ? rows + (i - block_items) / kvh : i / (h + kvh);
     const int64_t head = context ? h + (i - block_items) % kvh : i % (h + kvh), j = context ? r - rows : r;
     bf16* v = w.qkv + r * width + head * d;
-    rms_norm(v, (head < h ? L.qnorm : L.knorm).data_ptr<bf16>(), v, 1, d, d, m.eps, vector);
+    rms_norm(v, head < h ? L.qn : L.kn, v, 1, d, d, m.eps, vector);
     rope(v, (context ? ccos : w.cos) + j * d, (context ? csin : w.sin) + j * d, d, vector);
     if (head >= h) {  // (row, kv head, slot)
       const int64_t row = context ? j / c : j / w.t, slot = context ? w.start - c + j % c : w.start + j % w.t;
@@ -669,16 +734,17 @@ void draft_layer_team(const Model& m, const Layer& L, Work& w, Cache cache, Acts
       std::memcpy(cache.v + at_, v + kvh * d, d * sizeof(bf16));
     }
   }
-  team_attention(m, w, cache, scratch);
+  team_attention(m, w, cache, w.mask, scratch);
   output_team(m, L, w, hidden, next);
 }
 
-// Whether a forward is given a final norm (checked: contiguous bf16 of the hidden width).
-bool final_norm(const c10::optional<at::Tensor>& norm, int64_t hidden, const char* who) {
-  const bool given = norm && norm->defined();
-  TORCH_CHECK(!given || (norm->scalar_type() == at::kBFloat16 && norm->is_contiguous() && norm->numel() == hidden),
-              who, ": the final norm must be contiguous bf16 (hidden)");
-  return given;
+// A forward's final norm, or none (checked: contiguous, of the hidden width, bf16 or, for Gemma 3, float32).
+Norm final_norm(const c10::optional<at::Tensor>& norm, int64_t hidden, bool gemma, const char* who) {
+  if (!norm || !norm->defined()) return {};
+  TORCH_CHECK(norm->scalar_type() == (gemma ? at::kFloat : at::kBFloat16) && norm->is_contiguous() &&
+                  norm->numel() == hidden,
+              who, ": the final norm must be contiguous ", gemma ? "float32" : "bf16", " (hidden)");
+  return norm_of(*norm);
 }
 
 const Model& model(int64_t handle) {
@@ -727,28 +793,61 @@ at::Tensor rope_rows(const at::Tensor& table, const c10::optional<at::Tensor>& p
 
 }  // namespace
 
+namespace {
+
+// A layer from its 16 tensors and 8 shapes (see `llama_new`), checked: norms in `norm_type`, biases bf16.
+Layer make_layer(const at::Tensor* t, const int64_t* s, at::ScalarType norm_type, const char* who) {
+  for (int i = 0; i < 16; ++i) {
+    const bool norm = i < 4, bias = i >= 4 && (i - 4) % 3 == 2;
+    TORCH_CHECK(!(norm || bias) || !t[i].numel() ||
+                    (t[i].scalar_type() == (norm ? norm_type : at::kBFloat16) && t[i].is_contiguous()),
+                who, ": norms must be contiguous ", norm_type, ", biases contiguous bf16");
+  }
+  Layer L{t[0], t[1], t[2], t[3], {t[4], t[5], t[6], s[0], s[1]}, {t[7], t[8], t[9], s[2], s[3]},
+          {t[10], t[11], t[12], s[4], s[5]}, {t[13], t[14], t[15], s[6], s[7]}};
+  L.n1 = norm_of(L.norm1), L.n2 = norm_of(L.norm2), L.qn = norm_of(L.qnorm), L.kn = norm_of(L.knorm);
+  return L;
+}
+
+int64_t add_model(std::unique_ptr<Model> m) {
+  TORCH_CHECK(m->head_dim % 8 == 0 && m->head_dim <= 512, "llama_new: head_dim must be a multiple of 8, at most 512");
+  models.push_back(std::move(m));
+  return int64_t(models.size()) - 1;
+}
+
+}  // namespace
+
 // A model from its tensors, 16 a layer: norm1, norm2, q_norm, k_norm (empty if none), then for qkv,
 // o, gate_up and down: packed, scales, bias (empty if none); `shapes` 8 a layer: (n, kind) of each.
 int64_t llama_new(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& shapes, int64_t heads,
                   int64_t kv_heads, int64_t head_dim, double eps, double scale) {
   TORCH_CHECK(tensors.size() % 16 == 0 && shapes.size() == tensors.size() / 2, "llama_new: 16 tensors a layer");
-  TORCH_CHECK(head_dim % 8 == 0 && head_dim <= 512, "llama_new: head_dim must be a multiple of 8, at most 512");
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const bool norm = i % 16 < 4, bias = i % 16 >= 4 && (i % 16 - 4) % 3 == 2;
-    TORCH_CHECK(!(norm || bias) || !tensors[i].numel() ||
-                    (tensors[i].scalar_type() == at::kBFloat16 && tensors[i].is_contiguous()),
-                "llama_new: norms and biases must be contiguous bf16");
-  }
   auto m = std::make_unique<Model>(Model{heads, kv_heads, head_dim, eps, scale, {}});
-  for (size_t i = 0; i < tensors.size(); i += 16) {
-    const auto* t = &tensors[i];
-    const auto* s = &shapes[i / 2];
-    Layer L{t[0], t[1], t[2], t[3], {t[4], t[5], t[6], s[0], s[1]}, {t[7], t[8], t[9], s[2], s[3]},
-            {t[10], t[11], t[12], s[4], s[5]}, {t[13], t[14], t[15], s[6], s[7]}};
+  for (size_t i = 0; i < tensors.size(); i += 16)
+    m->layers.push_back(make_layer(&tensors[i], &shapes[i / 2], at::kBFloat16, "llama_new"));
+  return add_model(std::move(m));
+}
+
+// A Gemma 3 model (the same handle as `llama_new`'s, run by `llama_forward`): 18 tensors a layer, the 16
+// of `llama_new` with Gemma's norms (input, pre-MLP, q and k: 1 + weight in float32), then the norms after
+// the attention and after the MLP (float32); `sliding` a flag a layer (a sliding-window layer: the
+// forward's local RoPE rows and mask); the embedding rows' factor.
+int64_t gemma_new(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& shapes,
+                  const std::vector<int64_t>& sliding, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+                  double scale, double embed_scale) {
+  const size_t n = sliding.size();
+  TORCH_CHECK(tensors.size() == 18 * n && shapes.size() == 8 * n, "gemma_new: 18 tensors and 8 shapes a layer");
+  auto m = std::make_unique<Model>(Model{heads, kv_heads, head_dim, eps, scale, {}, true, float(embed_scale)});
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor* t = &tensors[18 * i];
+    Layer L = make_layer(t, &shapes[8 * i], at::kFloat, "gemma_new");
+    TORCH_CHECK(L.qnorm.numel() && t[16].scalar_type() == at::kFloat && t[17].scalar_type() == at::kFloat &&
+                    t[16].is_contiguous() && t[17].is_contiguous(),
+                "gemma_new: q, k and post norms must be contiguous float32");
+    L.post1 = t[16], L.post2 = t[17], L.p1 = norm_of(L.post1), L.p2 = norm_of(L.post2), L.sliding = sliding[i];
     m->layers.push_back(std::move(L));
   }
-  models.push_back(std::move(m));
-  return int64_t(models.size()) - 1;
+  return add_model(std::move(m));
 }
 
 void llama_free(int64_t handle) {
@@ -778,11 +877,12 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, c
                                       const std::vector<int64_t>& wanted, int64_t path,
                                       const c10::optional<at::Tensor>& norm, const c10::optional<at::Tensor>& embed,
                                       const c10::optional<at::Tensor>& positions, const std::vector<at::Tensor>& head,
-                                      const std::vector<int64_t>& head_shape) {
+                                      const std::vector<int64_t>& head_shape, const std::vector<at::Tensor>& local) {
   const Model& m = model(handle);
   const at::Tensor x = inputs(input, embed, "llama_forward");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "llama_forward: x must be bf16 (b, t, hidden)");
-  const bool normed = final_norm(norm, x.size(2), "llama_forward");
+  const Norm final = final_norm(norm, x.size(2), m.gemma, "llama_forward");
+  const bool normed = bool(final);
   TORCH_CHECK(keys.size() == m.layers.size() && values.size() == m.layers.size(), "llama_forward: a cache a layer");
   const int64_t b = x.size(0), t = x.size(1);
   if (path == AUTO) path = best_path();
@@ -813,14 +913,27 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, c
   const int64_t keep = head.empty() ? 0 : head_shape[2];
   at::Tensor h = x.reshape({b * t, x.size(2)});
   h = ragged ? h.index_select(0, index) : h.clone();
-  const at::Tensor c = rope_rows(cos, positions, "llama_forward"), s = rope_rows(sin, positions, "llama_forward");
-  if (!c.defined() || !s.defined()) return {};  // a position past the table (see `rope_rows`)
-  TORCH_CHECK(c.numel() == b * t * m.head_dim && s.numel() == c.numel(), "llama_forward: RoPE tables of (b, t, head_dim)");
-  at::Tensor mk;
-  if (mask && mask->defined()) {
-    mk = mask->to(at::kFloat).contiguous();
-    TORCH_CHECK(mk.numel() == b * t * (start + t), "llama_forward: the mask must be (b, 1, t, start + t)");
+  if (m.gemma && embed && embed->defined()) {  // Gemma 3's embedding rows times sqrt(hidden), in bf16
+    bf16* e = h.data_ptr<bf16>();
+    for (int64_t i = 0; i < h.numel(); ++i) e[i] = bf16(static_cast<float>(e[i]) * m.embed_scale);
   }
+  const bool windows = std::any_of(m.layers.begin(), m.layers.end(), [](const Layer& L) { return L.sliding; });
+  TORCH_CHECK(local.size() == (windows ? 3 : 0) && (!windows || local[2].defined()),
+              "llama_forward: sliding-window layers need `local` (cos, sin, mask), other models none");
+  at::Tensor c = rope_rows(cos, positions, "llama_forward"), s = rope_rows(sin, positions, "llama_forward"), lc, ls;
+  if (windows) lc = rope_rows(local[0], positions, "llama_forward"), ls = rope_rows(local[1], positions, "llama_forward");
+  if (!c.defined() || !s.defined() || (windows && (!lc.defined() || !ls.defined())))
+    return {};  // a position past the table (see `rope_rows`)
+  TORCH_CHECK(c.numel() == b * t * m.head_dim && s.numel() == c.numel() && (!windows || (lc.numel() == c.numel() &&
+                                                                                          ls.numel() == c.numel())),
+              "llama_forward: RoPE tables of (b, t, head_dim)");
+  auto float_mask = [&](const at::Tensor& given) {
+    const at::Tensor f = given.to(at::kFloat).contiguous();
+    TORCH_CHECK(f.numel() == b * t * (start + t), "llama_forward: a mask must be (b, 1, t, start + t)");
+    return f;
+  };
+  const at::Tensor mk = mask && mask->defined() ? float_mask(*mask) : at::Tensor();
+  const at::Tensor lmk = windows ? float_mask(local[2]) : at::Tensor();
   const int64_t rows = h.size(0), hidden = x.size(2), n = int64_t(m.layers.size());
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].size(0) == b &&
@@ -836,6 +949,7 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, c
          c.data_ptr<bf16>(), s.data_ptr<bf16>(), b, t, start, keys[0].size(2), path,
          mk.defined() ? mk.data_ptr<float>() : nullptr};
   w.live = rows;
+  if (windows) w.lcos = lc.data_ptr<bf16>(), w.lsin = ls.data_ptr<bf16>(), w.lmask = lmk.data_ptr<float>();
   if (ragged) w.slot = slot.data(), w.packed = packed.data();
   w.hidden.resize(rows, hidden);
   w.heads.resize(rows, heads);
@@ -861,11 +975,11 @@ std::vector<at::Tensor> llama_forward(int64_t handle, const at::Tensor& input, c
   {
     Scratch scratch;
 #pragma omp for
-    for (int64_t r = 0; r < rows; ++r) norm_row(m, w, m.layers[0].norm1.data_ptr<bf16>(), &w.hidden, r, hidden);
+    for (int64_t r = 0; r < rows; ++r) norm_row(m, w, m.layers[0].n1, &w.hidden, r, hidden);
     for (int64_t i = 0; i < n; ++i) {
       const bool last = i + 1 == n;
       const Next next{copies[i],
-                      last ? (normed ? norm->data_ptr<bf16>() : nullptr) : m.layers[i + 1].norm1.data_ptr<bf16>(),
+                      last ? final : m.layers[i + 1].n1,
                       last ? nullptr : &w.hidden, last ? final_copy : nullptr, stride};
       layer_team(m, m.layers[i], w, caches[i], hidden, next, scratch);
     }
@@ -906,7 +1020,8 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, c
   const Model& m = model(handle);
   const at::Tensor x = inputs(input, embed, "draft_forward");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "draft_forward: x must be bf16 (b, t, hidden)");
-  const bool normed = final_norm(norm, x.size(2), "draft_forward");
+  const Norm final = final_norm(norm, x.size(2), m.gemma, "draft_forward");
+  const bool normed = bool(final);
   const int64_t b = x.size(0), t = x.size(1), c = ctx.size(1), hidden = x.size(2), rows = b * t, n = m.layers.size();
   TORCH_CHECK((fc.empty() || fc.size() == 3) && (head.empty() || head.size() == 2 || head.size() == 3) &&
                   kinds.size() == 3,
@@ -981,18 +1096,18 @@ std::vector<at::Tensor> draft_forward(int64_t handle, const at::Tensor& input, c
                 path);
 #pragma omp for
       for (int64_t r = 0; r < b * c; ++r)
-        rms_norm(fco.data_ptr<bf16>() + r * hidden, fc[2].data_ptr<bf16>(), kx.data_ptr<bf16>() + (rows + r) * hidden, 1,
+        rms_norm(fco.data_ptr<bf16>() + r * hidden, norm_of(fc[2]), kx.data_ptr<bf16>() + (rows + r) * hidden, 1,
                  hidden, hidden, m.eps, path != REFERENCE);
     }
 #pragma omp for nowait
     for (int64_t i = rows * kv.blocks; i < (rows + b * c) * kv.blocks; ++i)  // the context, once for all layers
       quantize_act(kx.data_ptr<bf16>(), hidden, i, path, kv);
 #pragma omp for
-    for (int64_t r = 0; r < rows; ++r) norm_row(m, w, m.layers[0].norm1.data_ptr<bf16>(), &kv, r, hidden);
+    for (int64_t r = 0; r < rows; ++r) norm_row(m, w, m.layers[0].n1, &kv, r, hidden);
     for (int64_t i = 0; i < n; ++i) {
       const bool last = i + 1 == n;
       const Next next{nullptr,
-                      last ? (normed ? norm->data_ptr<bf16>() : nullptr) : m.layers[i + 1].norm1.data_ptr<bf16>(),
+                      last ? final : m.layers[i + 1].n1,
                       last ? nullptr : &kv};
       draft_layer_team(m, m.layers[i], w, caches[i], kv, c, c2.data_ptr<bf16>(), s2.data_ptr<bf16>(), hidden, next,
                        scratch);
@@ -1036,15 +1151,33 @@ void reorder_slots(const std::vector<at::Tensor>& keys, const std::vector<at::Te
     }
 }
 
+// The MLP's gate: silu(gate) * up, or with `gelu` gelu_tanh(gate) * up, of gu (rows, 2 n) bf16 (gate, then
+// up), on `path`, as the layers compute it (for the tests, which compare the paths and torch's ops).
+at::Tensor gated(const at::Tensor& gu, bool gelu, int64_t path) {
+  TORCH_CHECK(gu.scalar_type() == at::kBFloat16 && gu.dim() == 2 && gu.size(1) % 2 == 0,
+              "gated: gu must be bf16 (rows, 2 n)");
+  if (path == AUTO) path = best_path();
+  const at::Tensor x = gu.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  for (int64_t r = 0; r < rows; ++r)
+    (gelu ? gelu_mul : silu_mul)(x.data_ptr<bf16>() + r * 2 * n, out.data_ptr<bf16>() + r * n, n, 0, n, path != REFERENCE);
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(flashdraft, m) {
   m.def("llama_new(Tensor[] tensors, int[] shapes, int heads, int kv_heads, int head_dim, float eps, float scale) -> int",
         &llama_new);
   m.def("llama_free(int handle) -> ()", &llama_free);
+  m.def("gated(Tensor gu, bool gelu, int path) -> Tensor", &gated);
   m.def("reorder_slots(Tensor[] keys, Tensor[] values, int start, Tensor order) -> ()", &reorder_slots);
   m.def("llama_forward(int handle, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int start, "
         "Tensor? mask, Tensor? lengths, int[] wanted, int path, Tensor? norm, Tensor? embed, "
-        "Tensor? positions, Tensor[] head, int[] head_shape) -> Tensor[]",
+        "Tensor? positions, Tensor[] head, int[] head_shape, Tensor[] local) -> Tensor[]",
         &llama_forward);
+  m.def("gemma_new(Tensor[] tensors, int[] shapes, int[] sliding, int heads, int kv_heads, int head_dim, float eps, "
+        "float scale, float embed_scale) -> int",
+        &gemma_new);
   m.def("draft_forward(int handle, Tensor x, Tensor ctx, Tensor cos, Tensor sin, Tensor ccos, Tensor csin, "
         "Tensor[] keys, Tensor[] values, int start, Tensor? mask, int path, Tensor? norm, Tensor[] fc, "
         "Tensor[] head, int[] kinds, Tensor? embed=None, Tensor? positions=None, Tensor? cpositions=None) -> Tensor[]",
