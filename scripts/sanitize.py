@@ -29,7 +29,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_kernels.py", "tests/test_runner.py", "tests/test_tree.py", "tests/test_batch.py"]
+TESTS = [
+    "tests/test_kernels.py",
+    "tests/test_runner.py",
+    "tests/test_runner_gemma.py",
+    "tests/test_tree.py",
+    "tests/test_batch.py",
+]
 PATHS = ["reference", "avx2", "avx512"]  # slowest to fastest, as kernels.PATHS numbers them
 ASAN_OPTIONS = "detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86"
 UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1:exitcode=87"
@@ -109,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         "--paths", nargs="+", choices=PATHS, default=PATHS, help="the code paths to run (default: all)"
     )
     ap.add_argument(
-        "--tests", nargs="+", default=TESTS, help="test files (default: kernels, runner, tree, batch)"
+        "--tests",
+        nargs="+",
+        default=TESTS,
+        help="test files (default: kernels, runner, runner_gemma, tree, batch)",
     )
     ap.add_argument("-k", help="pytest's -k: a subset of the tests (on every path)")
     ap.add_argument("--full", action="store_true", help="every test on the reference path too (about 16 min)")

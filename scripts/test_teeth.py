@@ -2068,6 +2068,13 @@ BUGS = [
         "const __m256 cube = rb8(_mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(a, a), a), _mm256_set1_ps(0.044715f)));",
         "tests/test_runner_gemma.py::test_the_mlps_gate_gives_one_set_of_bits_on_every_path_and_the_functions_values",
     ),
+    (
+        "layers.cpp: a ragged verify's queries read the mask row of their packed index (Gemma's window too)",
+        "flashdraft/models/runner/kernels/layers.cpp",
+        "      masks[n] = mask ? mask + r * end : nullptr;",
+        "      masks[n] = mask ? mask + j * end : nullptr;",
+        "tests/test_runner_gemma.py::test_a_ragged_verify_gives_each_row_the_bits_of_the_padded_one",
+    ),
 ]
 
 

@@ -189,16 +189,21 @@ def test_native_layers_agree_with_the_torch_layers(arch):
     """The layers in one C++ call (kernels/layers.cpp) compute what `Layer`'s torch ops compute: against
     the dense float32 model, their features and logits are as close as the torch ops' on the same
     q8_0 weights (both round to bf16 and quantize activations to int8, in places of their own)."""
-    run = smol_shaped(arch, "q8_0")
-    assert run.runner.handle is not None and run.runner.fused
+    check_native_agrees_with_the_torch_layers(smol_shaped(arch, "q8_0"), 24, [0, 1])
+
+
+def check_native_agrees_with_the_torch_layers(run: RunnerTarget, tokens: int, features: list[int]) -> None:
+    """Against the dense float32 model, the C++ call's logits and features (two rows of `tokens` tokens)
+    are as close as the torch ops' (`fused` False) on the same weights: mean errors within 1.25x."""
+    assert run.runner.handle is not None and run.runner.ragged
     dense = RunnerTarget.from_target(run.reference, "none", torch.float32)
     g = torch.Generator().manual_seed(3)
-    ids, pos = torch.randint(0, 256, (2, 24), generator=g), torch.arange(24).expand(2, -1)
-    want = dense.forward(ids, pos, dense.new_cache(), features=[0, 1])
+    ids, pos = torch.randint(0, 256, (2, tokens), generator=g), torch.arange(tokens).expand(2, -1)
+    want = dense.forward(ids, pos, dense.new_cache(), features=features)
     errors = {}
     for fused in (True, False):
         run.runner.fused = fused
-        got = run.forward(ids, pos, run.new_cache(), features=[0, 1])
+        got = run.forward(ids, pos, run.new_cache(), features=features)
         errors[fused] = [(g.float() - w).abs().mean().item() for g, w in zip(got, want, strict=True)]
     run.runner.fused = True
     for native, torch_ops in zip(errors[True], errors[False], strict=True):
@@ -208,19 +213,22 @@ def test_native_layers_agree_with_the_torch_layers(arch):
 @pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
 def test_native_layers_give_the_same_bits_on_every_path():
     """The C++ layers on the scalar reference path, AVX2 and AVX-512 (where the CPU runs them): equal
-    logits and features, for a batch of two rows in causal order and with a mask (the second row
-    left-padded), and the torch-kernel fallback has none."""
-    from test_kernels import runnable
-
-    from flashdraft.models.masks import DEAD
-
+    logits and features (`check_same_bits_on_every_path`), and the torch-kernel fallback has none."""
     # Sharp attention and many queries and slots, so that a score rounded differently shows in some bf16
     # output: with random weights' scores near 1 a dot product's lanes summed in another order never
     # did, and with sharper ones in 2 of 4 random batches of 2 rows, in 3 of 3 of 8 rows (test_teeth).
-    run = smol_shaped("qwen3", "q4_1", sharp=2.0)
+    check_same_bits_on_every_path(smol_shaped("qwen3", "q4_1", sharp=2.0), 8, 96)
+    assert smol_shaped("llama", "int8").runner.handle is None
+
+
+def check_same_bits_on_every_path(run: RunnerTarget, rows: int, tokens: int) -> None:
+    """Logits and features of `rows` rows of `tokens` tokens on every kernel path this CPU runs equal the
+    reference path's, bitwise: in causal order, and with a mask (odd rows left-padded by 10 slots)."""
+    from test_kernels import runnable
+
     g = torch.Generator().manual_seed(0)
-    ids, pos = torch.randint(0, 256, (8, 96), generator=g), torch.arange(96).expand(8, -1)
-    padded = pos - torch.tensor([[0], [10]]).repeat(4, 1)  # odd rows: 10 slots of padding, then 86 tokens
+    ids, pos = torch.randint(0, 256, (rows, tokens), generator=g), torch.arange(tokens).expand(rows, -1)
+    padded = pos - torch.tensor([[0], [10]]).repeat(rows // 2, 1)
     mask = run.attention_mask(padded.clamp_min(0), torch.where(padded >= 0, padded, DEAD))
     outs = []
     try:
@@ -234,7 +242,6 @@ def test_native_layers_give_the_same_bits_on_every_path():
         (logits, feats), (masked, _) = outs[2 * i], outs[2 * i + 1]
         assert torch.equal(logits, outs[0][0]) and torch.equal(feats, outs[0][1]), path
         assert torch.equal(masked, outs[1][0]), path
-    assert smol_shaped("llama", "int8").runner.handle is None
 
 
 @pytest.mark.parametrize("quantize", EXACT, ids=str)

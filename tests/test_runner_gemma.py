@@ -18,13 +18,15 @@ from test_runner import (
     QUANT,
     check_dflash_equals_plain,
     check_float64_equals_transformers,
+    check_native_agrees_with_the_torch_layers,
+    check_ragged_verify,
     check_row_does_not_depend_on_its_batch,
+    check_same_bits_on_every_path,
     check_verify_rows_equal_one_token_steps,
     dflash_cases,
 )
 
 from flashdraft import Target
-from flashdraft.models.masks import DEAD
 from flashdraft.models.runner import RunnerTarget, kernels
 
 # The float64 models' layers, with a window of 4 positions (`gemma`).
@@ -124,45 +126,14 @@ def test_native_layers_agree_with_the_torch_layers():
     layers' own RoPE table and window) compute what `Layer`'s torch ops compute: against the dense float32
     model, their features and logits are as close as the torch ops' on the same q8_0 weights. 48 tokens
     over a window of 16, so the window and both tables matter."""
-    run = gemma_270m_shaped("q8_0")
-    assert run.runner.handle is not None and run.runner.ragged
-    dense = RunnerTarget.from_target(run.reference, "none", torch.float32)
-    g = torch.Generator().manual_seed(3)
-    ids, pos = torch.randint(0, 256, (2, 48), generator=g), torch.arange(48).expand(2, -1)
-    want = dense.forward(ids, pos, dense.new_cache(), features=[0, 1, 2])
-    errors = {}
-    for fused in (True, False):
-        run.runner.fused = fused
-        got = run.forward(ids, pos, run.new_cache(), features=[0, 1, 2])
-        errors[fused] = [(g.float() - w).abs().mean().item() for g, w in zip(got, want, strict=True)]
-    run.runner.fused = True
-    for native, torch_ops in zip(errors[True], errors[False], strict=True):
-        assert native < 1.25 * torch_ops, errors
+    check_native_agrees_with_the_torch_layers(gemma_270m_shaped("q8_0"), 48, [0, 1, 2])
 
 
 @pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
 def test_native_layers_give_the_same_bits_on_every_path():
     """Gemma 3's C++ layers on the scalar reference path, AVX2 and AVX-512 (where the CPU runs them):
     equal logits and features, in causal order and with masks (odd rows left-padded)."""
-    from test_kernels import runnable
-
-    run = gemma_270m_shaped("q4_1")
-    g = torch.Generator().manual_seed(0)
-    ids, pos = torch.randint(0, 256, (4, 40), generator=g), torch.arange(40).expand(4, -1)
-    padded = pos - torch.tensor([[0], [10]]).repeat(2, 1)  # odd rows: 10 slots of padding, then 30 tokens
-    mask = run.attention_mask(padded.clamp_min(0), torch.where(padded >= 0, padded, DEAD))
-    outs = []
-    try:
-        for path in runnable():
-            kernels.force(path)
-            outs.append(run.forward(ids, pos, run.new_cache(), features=[0, 1]))
-            outs.append(run.forward(ids, padded.clamp_min(0), run.new_cache(), attention_mask=mask))
-    finally:
-        kernels.force("auto")
-    for i, path in enumerate(runnable()):
-        (logits, feats), (masked, _) = outs[2 * i], outs[2 * i + 1]
-        assert torch.equal(logits, outs[0][0]) and torch.equal(feats, outs[0][1]), path
-        assert torch.equal(masked, outs[1][0]), path
+    check_same_bits_on_every_path(gemma_270m_shaped("q4_1"), 4, 40)
 
 
 @pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
@@ -187,6 +158,13 @@ def test_the_mlps_gate_gives_one_set_of_bits_on_every_path_and_the_functions_val
     near = a.abs() < 64
     err = (outs["reference"][0].double() - exact).abs()[near]
     assert (err <= 2**-8 * exact.abs()[near] + 1e-30).all(), err.max().item()
+
+
+@pytest.mark.skipif(not OURS, reason="our kernels could not be built here")
+def test_a_ragged_verify_gives_each_row_the_bits_of_the_padded_one():
+    """As tests/test_runner.py's, on Gemma's C++ call: rows' padding not computed, both kinds of masks read
+    by each query's own row (41 cached tokens over a window of 16)."""
+    check_ragged_verify(gemma_270m_shaped("q4_1"), "gemma3")
 
 
 def test_float64_dflash_through_runner_equals_plain_decoding():
