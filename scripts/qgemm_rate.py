@@ -31,8 +31,7 @@ def main() -> None:
     if not kernels.available():
         raise SystemExit("our kernels did not build here: nothing to time")
     rows = [int(r) for r in args.rows.split(",")]
-    order = ["avx2", "avx512"]
-    paths = order[: order.index(kernels.best()) + 1] if kernels.best() in order else []
+    paths = [p for p in kernels.runnable() if p != "reference"]
     if not paths:
         raise SystemExit("this CPU runs only the reference path: nothing fast to time")
     g = torch.Generator().manual_seed(0)

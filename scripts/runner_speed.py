@@ -6,7 +6,9 @@
 Times, over a cache of ~200 tokens: a one-token step, verifies of 4, 8 and 16 tokens, a step of a
 batch of 8 rows, a verify of 4 tokens a row for 8 rows, the same where only one row needs its 4
 (`ragged`: the others need their anchor alone, as in adaptive speculation's batches; a ragged
-runner does not compute their padding), and a prompt of 512 tokens from an empty cache. Variants: `transformers` (bf16), or
+runner does not compute their padding), and a prompt of 512 tokens from an empty cache, twice: `prompt`
+with the head on every token (the measure of earlier tables) and `prefill` with the last token's logits
+only, as the engine's and datagen's prefills ask for them (`logits_to_keep=1`). Variants: `transformers` (bf16), or
 the runner's weights: none (dense bf16), int8 / int4 (torch's kernels), q8_0 / q4_1 (ours; `L+H`
 for layers and head apart, e.g. q4_1+q8_0, the built-in SmolLM2's own GGUF types), each on a kernel
 path of its own with `@path` (q4_1+q8_0@avx2 beside q4_1+q8_0@avx512: an A/B of the paths), or `default`:
@@ -72,7 +74,8 @@ def main() -> None:
     prompt = torch.randint(0, ref.vocab_size, (8, max(args.context, args.prompt)), generator=g)
     new = torch.randint(0, ref.vocab_size, (8, 16), generator=g)
     caches = {}  # (variant, rows) -> a cache holding the context
-    times = {(name, s): [] for name in variants for s in [*SHAPES, "prompt"]}
+    ends = {"prompt": 0, "prefill": 1}  # logits_to_keep: every token's, the last token's
+    times = {(name, s): [] for name in variants for s in [*SHAPES, *ends]}
     with torch.inference_mode():
         for name, t in variants.items():
             for b in (1, 8):
@@ -89,17 +92,18 @@ def main() -> None:
                         t.forward(new[:b, :m], pos, c, lengths=lengths)
                         times[name, shape].append(time.perf_counter() - t0)
                         t.crop(c, args.context)
-                fresh = t.new_cache(sliding=False)
-                t0 = time.perf_counter()
-                t.forward(prompt[:1, : args.prompt], torch.arange(args.prompt)[None], fresh)
-                times[name, "prompt"].append(time.perf_counter() - t0)
+                for end, keep in ends.items():
+                    fresh = t.new_cache(sliding=False)
+                    t0 = time.perf_counter()
+                    t.forward(prompt[:1, : args.prompt], torch.arange(args.prompt)[None], fresh, keep)
+                    times[name, end].append(time.perf_counter() - t0)
     kernels.force("auto")
     print(
         f"\n{args.target}, {torch.get_num_threads()} threads, {args.context} cached tokens, medians of "
-        f"{args.rounds * args.steps} forwards (prompt: of {args.rounds}); our kernels' path: "
+        f"{args.rounds * args.steps} forwards (prompt, prefill: of {args.rounds}); our kernels' path: "
         f"{kernels.path_name() if kernels.available() else 'not built'} (or as named)\n"
     )
-    cols = [*SHAPES, "prompt"]
+    cols = [*SHAPES, *ends]
     print(
         f"| {'variant':<16} | "
         + " | ".join(f"{c} ms" for c in cols)

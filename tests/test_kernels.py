@@ -17,9 +17,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels cou
 KINDS = ("q8_0", "q4_1", "q4_k", "q6_k")
 
 
-def runnable() -> list[str]:
-    order = ["reference", "avx2", "avx512"]
-    return order[: order.index(kernels.best()) + 1]
+runnable = kernels.runnable
 
 
 @pytest.fixture

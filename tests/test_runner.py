@@ -224,21 +224,19 @@ def test_native_layers_give_the_same_bits_on_every_path():
 def check_same_bits_on_every_path(run: RunnerTarget, rows: int, tokens: int) -> None:
     """Logits and features of `rows` rows of `tokens` tokens on every kernel path this CPU runs equal the
     reference path's, bitwise: in causal order, and with a mask (odd rows left-padded by 10 slots)."""
-    from test_kernels import runnable
-
     g = torch.Generator().manual_seed(0)
     ids, pos = torch.randint(0, 256, (rows, tokens), generator=g), torch.arange(tokens).expand(rows, -1)
     padded = pos - torch.tensor([[0], [10]]).repeat(rows // 2, 1)
     mask = run.attention_mask(padded.clamp_min(0), torch.where(padded >= 0, padded, DEAD))
     outs = []
     try:
-        for path in runnable():
+        for path in kernels.runnable():
             kernels.force(path)
             outs.append(run.forward(ids, pos, run.new_cache(), features=[0, 1]))
             outs.append(run.forward(ids, padded.clamp_min(0), run.new_cache(), attention_mask=mask))
     finally:
         kernels.force("auto")
-    for i, path in enumerate(runnable()):
+    for i, path in enumerate(kernels.runnable()):
         (logits, feats), (masked, _) = outs[2 * i], outs[2 * i + 1]
         assert torch.equal(logits, outs[0][0]) and torch.equal(feats, outs[0][1]), path
         assert torch.equal(masked, outs[1][0]), path
@@ -765,8 +763,6 @@ def test_a_ggufs_k_quant_blocks_run_as_stored_and_exact():
     """ "gguf" weights: each linear runs the file's blocks as stored (q4_k, q6_k, and Q5_0 as q8_0), holding
     the very values of the float checkpoint; the layers' C++ call gives the same bits on every path; a
     verify row equals one-token steps; DFlash equals plain decoding."""
-    from test_kernels import runnable
-
     ref, blocks = stored_model()
     run = RunnerTarget.from_target(ref, Quantization("gguf", "gguf"), torch.bfloat16, blocks)
     assert run.runner.handle is not None and run.exact
@@ -785,12 +781,12 @@ def test_a_ggufs_k_quant_blocks_run_as_stored_and_exact():
     ids, pos = torch.randint(0, 256, (3, 40), generator=g), torch.arange(40).expand(3, -1)
     outs = []
     try:
-        for path in runnable():
+        for path in kernels.runnable():
             kernels.force(path)
             outs.append(run.forward(ids, pos, run.new_cache(), features=[0, 1]))
     finally:
         kernels.force("auto")
-    for path, (logits, feats) in zip(runnable(), outs, strict=True):
+    for path, (logits, feats) in zip(kernels.runnable(), outs, strict=True):
         assert torch.equal(logits, outs[0][0]) and torch.equal(feats, outs[0][1]), path
     check_verify_rows_equal_one_token_steps(run, "gguf")
     prompts, configs = dflash_cases(run, 12, 4)

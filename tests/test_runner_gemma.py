@@ -143,13 +143,11 @@ def test_the_mlps_gate_gives_one_set_of_bits_on_every_path_and_the_functions_val
     every bf16 value: the vector paths give the scalar reference's bits (a whole forward hides a last-bit
     difference here: the product is rounded to bf16, then quantized to int8 for the next GEMM), and the
     values are the functions' (float64) to bf16's rounding wherever an activation can be (|x| < 64)."""
-    from test_kernels import runnable
-
     gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     gate = gate[torch.isfinite(gate)]
     up = torch.ones_like(gate)  # the gate's own value comes out (times 1)
     gu = torch.cat([gate, up])[None]
-    outs = {path: torch.ops.flashdraft.gated(gu, gelu, kernels.PATHS[path]) for path in runnable()}
+    outs = {path: torch.ops.flashdraft.gated(gu, gelu, kernels.PATHS[path]) for path in kernels.runnable()}
     for path, out in outs.items():
         assert torch.equal(out, outs["reference"]), path
     a = gate.double()

@@ -79,6 +79,13 @@ def best() -> str:
     return next(name for name, c in PATHS.items() if c == code)
 
 
+def runnable() -> list[str]:
+    """Every path this CPU runs, slowest first: the scalar reference, then the vector paths up to `best`
+    (what the tests compare, what the speed scripts time)."""
+    order = [name for name in PATHS if name != "auto"]
+    return order[: order.index(best()) + 1]
+
+
 def _sanitize() -> bool:
     return os.environ.get("FLASHDRAFT_SANITIZE", "") not in ("", "0")
 

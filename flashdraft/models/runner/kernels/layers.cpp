@@ -487,50 +487,41 @@ FD_CLONES void add(bf16* x, const bf16* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = bf16(static_cast<float>(x[i]) + static_cast<float>(y[i]));
 }
 
-// silu(gate) * up, gate and up side by side in `gu` (as the fused projection gives them), for
-// elements lo..hi of a row; `vector`: 8 at a time with AVX2, the same operations.
-__attribute__((target("avx2,fma"))) int64_t silu_mul_avx2(const bf16* gu, bf16* out, int64_t n, int64_t lo,
-                                                         int64_t hi) {
+// act(gate) * up, gate and up side by side in `gu` (as the fused projection gives them), for elements
+// lo..hi of a row. Both activations have SiLU's form, a / (1 + exp(-u)) with our own exp: SiLU's u = a;
+// Gemma's gelu_tanh(a) = 0.5 a (1 + tanh(z)), z = sqrt(2 / pi) (a + 0.044715 a^3), is u = 2 z. `vector`:
+// 8 at a time with AVX2, the same operations.
+template <bool GELU>
+inline float gate_arg(float a) {
+  return GELU ? (a * a * a * 0.044715f + a) * 1.5957691216f : a;  // 2 z
+}
+
+template <bool GELU>
+__attribute__((target("avx2,fma"))) inline __m256 gate_arg8(__m256 a) {
+  if (!GELU) return a;
+  const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(a, a), a), _mm256_set1_ps(0.044715f));
+  return _mm256_mul_ps(_mm256_add_ps(cube, a), _mm256_set1_ps(1.5957691216f));
+}
+
+template <bool GELU>
+__attribute__((target("avx2,fma"))) int64_t gated_mul_avx2(const bf16* gu, bf16* out, int64_t n, int64_t lo,
+                                                          int64_t hi) {
   int64_t i = lo;
   for (; i + 8 <= hi; i += 8) {
     const __m256 a = load_bf16(gu + i);
-    const __m256 e = fexp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
-    const __m256 silu = rb8(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
-    store_bf16(out + i, _mm256_mul_ps(silu, load_bf16(gu + n + i)));
+    const __m256 e = fexp8(_mm256_sub_ps(_mm256_setzero_ps(), gate_arg8<GELU>(a)));
+    const __m256 act = rb8(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    store_bf16(out + i, _mm256_mul_ps(act, load_bf16(gu + n + i)));
   }
   return i;
 }
 
-void silu_mul(const bf16* gu, bf16* out, int64_t n, int64_t lo, int64_t hi, bool vector) {
-  int64_t i = vector ? silu_mul_avx2(gu, out, n, lo, hi) : lo;
+template <bool GELU>
+void gated_mul(const bf16* gu, bf16* out, int64_t n, int64_t lo, int64_t hi, bool vector) {
+  int64_t i = vector ? gated_mul_avx2<GELU>(gu, out, n, lo, hi) : lo;
   for (; i < hi; ++i) {
     const float a = static_cast<float>(gu[i]);
-    out[i] = bf16(rb(a / (1.f + fexp(-a))) * static_cast<float>(gu[n + i]));
-  }
-}
-
-// gelu_tanh(gate) * up (Gemma's MLP), as `silu_mul`: gelu_tanh(a) = 0.5 a (1 + tanh(z)) with
-// z = sqrt(2 / pi) (a + 0.044715 a^3), which is a / (1 + exp(-2 z)): SiLU's form, with our own exp.
-__attribute__((target("avx2,fma"))) int64_t gelu_mul_avx2(const bf16* gu, bf16* out, int64_t n, int64_t lo,
-                                                         int64_t hi) {
-  int64_t i = lo;
-  for (; i + 8 <= hi; i += 8) {
-    const __m256 a = load_bf16(gu + i);
-    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(a, a), a), _mm256_set1_ps(0.044715f));
-    const __m256 z2 = _mm256_mul_ps(_mm256_add_ps(cube, a), _mm256_set1_ps(1.5957691216f));
-    const __m256 e = fexp8(_mm256_sub_ps(_mm256_setzero_ps(), z2));
-    const __m256 gelu = rb8(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
-    store_bf16(out + i, _mm256_mul_ps(gelu, load_bf16(gu + n + i)));
-  }
-  return i;
-}
-
-void gelu_mul(const bf16* gu, bf16* out, int64_t n, int64_t lo, int64_t hi, bool vector) {
-  int64_t i = vector ? gelu_mul_avx2(gu, out, n, lo, hi) : lo;
-  for (; i < hi; ++i) {
-    const float a = static_cast<float>(gu[i]);
-    const float z2 = (a * a * a * 0.044715f + a) * 1.5957691216f;  // 2 z
-    out[i] = bf16(rb(a / (1.f + fexp(-z2))) * static_cast<float>(gu[n + i]));
+    out[i] = bf16(rb(a / (1.f + fexp(-gate_arg<GELU>(a)))) * static_cast<float>(gu[n + i]));
   }
 }
 
@@ -693,7 +684,7 @@ void output_team(const Model& m, const Layer& L, Work& w, int64_t hidden, const 
 #pragma omp for
   for (int64_t i = 0; i < rows * w.inter.blocks; ++i) {  // SiLU(gate) * up (Gemma: gelu), a block of 32 at a time
     const int64_t r = i / w.inter.blocks, lo = (i % w.inter.blocks) * 32, hi = std::min(inter, lo + 32);
-    (m.gemma ? gelu_mul : silu_mul)(w.gu + r * 2 * inter, w.act + r * inter, inter, lo, hi, vector);
+    (m.gemma ? gated_mul<true> : gated_mul<false>)(w.gu + r * 2 * inter, w.act + r * inter, inter, lo, hi, vector);
     quantize_act(w.act, inter, i, path, w.inter);
   }
   team_gemm(w.inter, L.down, w.down, path);
@@ -1161,7 +1152,7 @@ at::Tensor gated(const at::Tensor& gu, bool gelu, int64_t path) {
   const int64_t rows = x.size(0), n = x.size(1) / 2;
   at::Tensor out = at::empty({rows, n}, x.options());
   for (int64_t r = 0; r < rows; ++r)
-    (gelu ? gelu_mul : silu_mul)(x.data_ptr<bf16>() + r * 2 * n, out.data_ptr<bf16>() + r * n, n, 0, n, path != REFERENCE);
+    (gelu ? gated_mul<true> : gated_mul<false>)(x.data_ptr<bf16>() + r * 2 * n, out.data_ptr<bf16>() + r * n, n, 0, n, path != REFERENCE);
   return out;
 }
 
