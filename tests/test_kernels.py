@@ -17,9 +17,6 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernels cou
 KINDS = ("q8_0", "q4_1", "q4_k", "q6_k")
 
 
-runnable = kernels.runnable
-
-
 @pytest.fixture
 def on_path():
     """Run the GEMM on a given path; restore the default afterwards."""
@@ -77,7 +74,7 @@ def activations(m: int, k: int, dtype, seed: int = 1) -> torch.Tensor:
 def test_every_path_gives_the_references_bits(kind, dtype, path, on_path):
     """Shapes that leave a partial tile (N = 200) and a partial block (K = 570), 1-20 rows (more than one
     group of 8; every row count a tile call takes, 1 to 8), bf16 and float32 activations."""
-    if path not in runnable():
+    if path not in kernels.runnable():
         pytest.skip(f"this CPU does not run the {path} path")
     k = inputs(kind, 570)
     packed, scales = weights(kind, 200, k)
@@ -97,7 +94,7 @@ def test_a_row_does_not_depend_on_its_batch(kind, dtype, on_path):
     (float32 outputs show every bit of the sums; bf16 ones round most differences away)."""
     packed, scales = weights(kind, 96, inputs(kind, 576))
     x = activations(17, inputs(kind, 576), dtype)
-    for path in runnable():
+    for path in kernels.runnable():
         on_path(path)
         full = kernels.qgemm(x, packed, scales, 96, kind)
         for i in range(17):
@@ -125,7 +122,7 @@ def test_the_output_is_the_exact_sum_within_float32_rounding(kind, on_path):
     w, xq = kernels.values(packed, scales, kind)[:64].double(), quantized_rows(x).double()
     want, size = xq @ w.T, xq.abs() @ w.abs().T
     bound = 2 * (1536 // 16) * 2.0**-24 * size
-    for path in runnable():
+    for path in kernels.runnable():
         on_path(path)
         got = kernels.qgemm(x, packed, scales, 64, kind).double()
         assert ((got - want).abs() <= bound).all(), (path, ((got - want).abs() / size).max().item())
@@ -170,7 +167,7 @@ def test_a_path_this_cpu_cannot_run_is_refused(monkeypatch):
 def test_argmax_gives_torchs_indices(path, on_path):
     """Each row's first maximum, as torch.argmax: ties (values on a coarse grid), a maximum in a row's
     last partial group of 8, rows of -inf, a NaN (the first NaN wins), lengths 1-70."""
-    if path not in runnable():
+    if path not in kernels.runnable():
         pytest.skip(f"this CPU does not run the {path} path")
     on_path(path)
     g = torch.Generator().manual_seed(0)
