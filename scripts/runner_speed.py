@@ -95,7 +95,9 @@ def main() -> None:
                 for end, keep in ends.items():
                     fresh = t.new_cache(sliding=False)
                     t0 = time.perf_counter()
-                    t.forward(prompt[:1, : args.prompt], torch.arange(args.prompt)[None], fresh, keep)
+                    t.forward(
+                        prompt[:1, : args.prompt], torch.arange(args.prompt)[None], fresh, logits_to_keep=keep
+                    )
                     times[name, end].append(time.perf_counter() - t0)
     kernels.force("auto")
     print(
